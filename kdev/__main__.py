@@ -1,0 +1,3 @@
+from kdev.cli import main
+
+main()

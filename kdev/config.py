@@ -1,0 +1,318 @@
+"""YAML in configs/ -> validated, frozen dataclasses.
+
+Every loader checks every field and rejects unknown keys; an error names the file and the key path in
+one line (raised as BadInput, exit 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kdev.errors import BadInput
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+# Contract limits (DESIGN.md §2/§3). The kernels' own limit is kdtree_max_qlen(); these are the
+# reference's bounds on what a suite may ask for.
+LATENT_DIM = 512
+ROPE_DIM = 64
+QK_DIM = LATENT_DIM + ROPE_DIM
+MAX_BUDGET = 1024  # T = 1 + N <= 1025 rows per request
+MAX_DEPTH = 15  # block size 16
+MAX_PREFIX = 256 * 1024
+TREE_KINDS = ("ddtree", "chain", "star", "random")
+PAGE_SIZES = (1, 64)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+class _Reader:
+    """Reads one mapping of a YAML file, remembering where it is for error messages."""
+
+    def __init__(self, data: Any, file: Path, where: str):
+        if not isinstance(data, dict):
+            raise BadInput(f"{file}: {where or 'top level'}: expected a mapping, got {type(data).__name__}")
+        self.data, self.file, self.where, self.used = data, file, where, set()
+
+    def _key(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def fail(self, key: str, msg: str) -> BadInput:
+        return BadInput(f"{self.file}: {self._key(key)}: {msg}")
+
+    def get(self, key: str, kind: type | tuple, default: Any = ..., check=None, check_msg: str = ""):
+        self.used.add(key)
+        if key not in self.data:
+            if default is ...:
+                raise self.fail(key, "missing")
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = "/".join(k.__name__ for k in kinds)
+            raise self.fail(key, f"expected {names}, got {value!r}")
+        if check is not None and not check(value):
+            raise self.fail(key, f"{check_msg} (got {value!r})")
+        return value
+
+    def positive_int(self, key: str, default: Any = ..., maximum: int | None = None) -> int:
+        ok = (lambda v: 0 < v <= maximum) if maximum else (lambda v: v > 0)
+        msg = f"must be in 1..{maximum}" if maximum else "must be > 0"
+        return self.get(key, int, default, ok, msg)
+
+    def sub(self, key: str, default: Any = ...) -> "_Reader":
+        self.used.add(key)
+        if key not in self.data:
+            if default is ...:
+                raise self.fail(key, "missing")
+            return _Reader(default, self.file, self._key(key))
+        return _Reader(self.data[key], self.file, self._key(key))
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise self.fail(str(unknown[0]), "unknown key")
+
+
+def load_yaml(path: Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}: no such config file")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise BadInput(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+
+
+# ---------------------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class YarnConfig:
+    factor: float
+    original_max_position_embeddings: int
+    mscale: float
+    mscale_all_dim: float
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    yarn: YarnConfig
+    heads_per_gpu: dict = field(default_factory=dict)
+
+    @property
+    def softmax_scale(self) -> float:
+        """(qk_nope + qk_rope)^-0.5, times the YaRN attention factor squared (DeepSeek-V3 convention)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.yarn.factor > 1.0 and self.yarn.mscale_all_dim:
+            m = 0.1 * self.yarn.mscale_all_dim * math.log(self.yarn.factor) + 1.0
+            scale *= m * m
+        return scale
+
+
+def load_model(name_or_path: str | Path) -> ModelConfig:
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
+        path = CONFIG_DIR / "models" / f"{name_or_path}.yaml"
+    r = _Reader(load_yaml(path), path, "")
+    y = r.sub("yarn")
+    yarn = YarnConfig(
+        factor=y.get("factor", float, check=lambda v: v >= 1.0, check_msg="must be >= 1"),
+        original_max_position_embeddings=y.positive_int("original_max_position_embeddings"),
+        mscale=y.get("mscale", float),
+        mscale_all_dim=y.get("mscale_all_dim", float),
+        beta_fast=y.get("beta_fast", float, 32.0),
+        beta_slow=y.get("beta_slow", float, 1.0),
+    )
+    y.done()
+    hp = r.sub("heads_per_gpu", {})
+    heads_per_gpu = {k: hp.positive_int(k) for k in list(hp.data)}
+    hp.done()
+    model = ModelConfig(
+        name=r.get("name", str),
+        num_heads=r.positive_int("num_heads"),
+        q_lora_rank=r.positive_int("q_lora_rank"),
+        kv_lora_rank=r.get("kv_lora_rank", int, check=lambda v: v == LATENT_DIM, check_msg=f"kernels need {LATENT_DIM}"),
+        qk_nope_head_dim=r.positive_int("qk_nope_head_dim"),
+        qk_rope_head_dim=r.get("qk_rope_head_dim", int, check=lambda v: v == ROPE_DIM, check_msg=f"kernels need {ROPE_DIM}"),
+        v_head_dim=r.positive_int("v_head_dim"),
+        rope_theta=r.get("rope_theta", float, check=lambda v: v > 0, check_msg="must be > 0"),
+        yarn=yarn,
+        heads_per_gpu=heads_per_gpu,
+    )
+    r.done()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- suites
+@dataclass(frozen=True)
+class TreeSpec:
+    """How a request's draft tree is made. ddtree uses budget/depth/topk/vocab/sharpness/ties;
+    chain, star and random use nodes (T, root included)."""
+
+    kind: str
+    nodes: int = 0
+    budget: int = 0
+    depth: int = 0
+    topk: int = 0
+    vocab: int = 0
+    sharpness: float = 1.0
+    ties: bool = False
+
+    def to_dict(self) -> dict:
+        if self.kind == "ddtree":
+            return dict(kind=self.kind, budget=self.budget, depth=self.depth, topk=self.topk, vocab=self.vocab,
+                        sharpness=self.sharpness, ties=self.ties)
+        return dict(kind=self.kind, nodes=self.nodes)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    cos_diff: float
+
+    def to_dict(self) -> dict:
+        return dict(atol=self.atol, rtol=self.rtol, cos_diff=self.cos_diff)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    out: Tolerance
+    lse: Tolerance
+
+    def to_dict(self) -> dict:
+        return dict(out=self.out.to_dict(), lse=self.lse.to_dict())
+
+    @staticmethod
+    def from_dict(d: dict) -> "Tolerances":
+        return Tolerances(out=Tolerance(**d["out"]), lse=Tolerance(**d["lse"]))
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    name: str
+    prefix_lens: tuple
+    tree: TreeSpec
+    heads: int
+    page_size: int
+    seed: int
+    model: str
+    tolerances: Tolerances
+
+    @property
+    def batch(self) -> int:
+        return len(self.prefix_lens)
+
+    def to_dict(self) -> dict:
+        return dict(name=self.name, prefix_lens=list(self.prefix_lens), tree=self.tree.to_dict(),
+                    heads=self.heads, page_size=self.page_size, seed=self.seed, model=self.model)
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    name: str
+    description: str
+    cases: tuple
+
+
+def _tree_spec(r: _Reader) -> TreeSpec:
+    kind = r.get("kind", str, check=lambda v: v in TREE_KINDS, check_msg=f"must be one of {', '.join(TREE_KINDS)}")
+    if kind == "ddtree":
+        budget = r.positive_int("budget", maximum=MAX_BUDGET)
+        depth = r.positive_int("depth", maximum=MAX_DEPTH)
+        vocab = r.positive_int("vocab", 32000)
+        topk = r.positive_int("topk", min(budget, vocab), maximum=vocab)
+        spec = TreeSpec(kind, budget=budget, depth=depth, topk=topk, vocab=vocab,
+                        sharpness=r.get("sharpness", float, 1.0, lambda v: v > 0, "must be > 0"),
+                        ties=r.get("ties", bool, False))
+    else:
+        spec = TreeSpec(kind, nodes=r.positive_int("nodes", maximum=MAX_BUDGET + 1))
+    r.done()
+    return spec
+
+
+def _tolerance(r: _Reader, default: Tolerance) -> Tolerance:
+    nonneg = (lambda v: v >= 0, "must be >= 0")
+    t = Tolerance(atol=r.get("atol", float, default.atol, *nonneg), rtol=r.get("rtol", float, default.rtol, *nonneg),
+                  cos_diff=r.get("cos_diff", float, default.cos_diff, *nonneg))
+    r.done()
+    return t
+
+
+# bf16 outputs: one rounding is 2^-9 relative; the flash kernel also rounds P to bf16 before P·V.
+DEFAULT_TOLERANCES = Tolerances(out=Tolerance(atol=1e-2, rtol=2e-2, cos_diff=1e-5),
+                                lse=Tolerance(atol=1e-3, rtol=1e-4, cos_diff=1e-9))
+
+
+def _tolerances(r: _Reader, default: Tolerances) -> Tolerances:
+    t = Tolerances(out=_tolerance(r.sub("out", {}), default.out), lse=_tolerance(r.sub("lse", {}), default.lse))
+    r.done()
+    return t
+
+
+def load_suites(path: str | Path | None = None) -> dict[str, SuiteSpec]:
+    path = Path(path) if path else CONFIG_DIR / "suites.yaml"
+    top = _Reader(load_yaml(path), path, "")
+    d = top.sub("defaults", {})
+    default_model = d.get("model", str, "kimi-k2.6")
+    default_tol = _tolerances(d.sub("tolerances", {}), DEFAULT_TOLERANCES)
+    d.done()
+    suites_r = top.sub("suites")
+    top.done()
+    suites = {}
+    for sname in list(suites_r.data):
+        s = suites_r.sub(sname)
+        suite_tol = _tolerances(s.sub("tolerances", {}), default_tol)
+        description = s.get("description", str, "")
+        raw_cases = s.get("cases", list, check=lambda v: len(v) > 0, check_msg="needs at least one case")
+        cases, names = [], set()
+        for i, raw in enumerate(raw_cases):
+            c = _Reader(raw, path, f"suites.{sname}.cases[{i}]")
+            name = c.get("name", str, check=lambda v: v.replace("-", "").replace("_", "").isalnum(),
+                          check_msg="letters, digits, '-' and '_' only")
+            if name in names:
+                raise c.fail("name", f"duplicate case name {name!r}")
+            names.add(name)
+            prefix_lens = c.get("prefix_lens", list, check=lambda v: len(v) > 0, check_msg="needs at least one request")
+            for j, L in enumerate(prefix_lens):
+                if not isinstance(L, int) or isinstance(L, bool) or not 0 <= L <= MAX_PREFIX:
+                    raise c.fail(f"prefix_lens[{j}]", f"must be an integer in 0..{MAX_PREFIX} (got {L!r})")
+            tree = _tree_spec(c.sub("tree"))
+            cases.append(CaseSpec(
+                name=name, prefix_lens=tuple(prefix_lens), tree=tree,
+                heads=c.positive_int("heads", maximum=128),
+                page_size=c.get("page_size", int, 1, lambda v: v in PAGE_SIZES, f"must be one of {PAGE_SIZES}"),
+                seed=c.get("seed", int, check=lambda v: v >= 0, check_msg="must be >= 0"),
+                model=c.get("model", str, default_model),
+                tolerances=_tolerances(c.sub("tolerances", {}), suite_tol),
+            ))
+            c.done()
+        s.done()
+        suites[sname] = SuiteSpec(name=sname, description=description, cases=tuple(cases))
+    suites_r.done()
+    return suites
+
+
+def load_suite(name: str, path: str | Path | None = None) -> SuiteSpec:
+    suites = load_suites(path)
+    if name not in suites:
+        raise BadInput(f"{path or CONFIG_DIR / 'suites.yaml'}: no suite named {name!r} (have: {', '.join(suites)})")
+    return suites[name]

@@ -1,0 +1,26 @@
+"""Errors that carry kdev's exit codes (DESIGN.md §5).
+
+Stage modules raise these; cli.py turns them into one line on stderr and the exit code. Nothing else
+in kdev calls sys.exit.
+"""
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1  # a mismatch, a regression, a failed deploy gate
+EXIT_BAD_INPUT = 2  # bad usage or bad input (config, vectors, arguments)
+EXIT_NO_ENVIRONMENT = 3  # no GPU, no nvcc, library not built
+
+
+class KdevError(Exception):
+    exit_code = EXIT_BAD_INPUT
+
+
+class BadInput(KdevError):
+    exit_code = EXIT_BAD_INPUT
+
+
+class CheckFailed(KdevError):
+    exit_code = EXIT_CHECK_FAILED
+
+
+class EnvironmentMissing(KdevError):
+    exit_code = EXIT_NO_ENVIRONMENT

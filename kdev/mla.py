@@ -1,0 +1,156 @@
+"""Float64 MLA reference: the un-absorbed form, the absorbed form, and the kernel-contract reference.
+
+Un-absorbed (what the model computes, per head h):
+    k_nope_h = W_UK_h · c_kv            (128 <- 512)
+    score    = scale · (q_nope_h · k_nope_h + rope(q_pe_h) · rope(k_pe))
+    o_h      = Σ softmax(score) · (W_UV_h · c_kv)
+Absorbed (what the kernels compute): q_lat_h = W_UK_hᵀ · q_nope_h (512 wide), so
+    score    = scale · ([q_lat_h, rope(q_pe_h)] · [c_kv, rope(k_pe)])      (576-wide rows)
+    o_lat_h  = Σ softmax(score) · c_kv                                      (512 wide)
+and o_h = W_UV_h · o_lat_h. The two agree up to float64 rounding.
+
+RoPE uses DeepSeek-V3's YaRN frequencies and the rotate-half pairing (dims i and i+32 rotate together).
+Everything runs in torch float64 so that large references can run on a GPU (--device cuda).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kdev.config import LATENT_DIM, QK_DIM, ModelConfig
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def yarn_inv_freq(model: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [rope_dim/2] with YaRN's interpolation ramp (float64)."""
+    dim, base, y = model.qk_rope_head_dim, model.rope_theta, model.yarn
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    freq_extra = 1.0 / base**exponents
+    if y.factor <= 1.0:
+        return freq_extra
+    freq_inter = freq_extra / y.factor
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(y.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(y.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1.0 - ramp  # 1 for high-frequency pairs (kept), 0 for low-frequency ones (interpolated)
+    return freq_inter * (1 - extrapolate) + freq_extra * extrapolate
+
+
+def yarn_rope_mscale(model: ModelConfig) -> float:
+    """cos/sin multiplier: mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1 for Kimi / DeepSeek)."""
+    y = model.yarn
+
+    def m(scale: float, md: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * md * math.log(scale) + 1.0
+
+    return m(y.factor, y.mscale) / m(y.factor, y.mscale_all_dim)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """Rotate x[..., rope_dim] at integer positions (broadcast over x's leading dims after the first)."""
+    inv_freq = yarn_inv_freq(model).to(x.device)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [S, dim/2]
+    m = yarn_rope_mscale(model)
+    cos = torch.cat([angles.cos(), angles.cos()], -1) * m
+    sin = torch.cat([angles.sin(), angles.sin()], -1) * m
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+# ------------------------------------------------------------------------------------------- attention
+def unabsorbed_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, q_pos, kv_pos, mask, model: ModelConfig):
+    """The model's own form. q_nope [N,H,128], q_pe [N,H,64] (not yet rotated), c_kv [S,512],
+    k_pe [S,64] (not yet rotated), w_uk / w_uv [H,128,512], mask [N,S] bool (True = attend).
+    Returns o [N,H,v_head_dim] float64."""
+    scale = model.softmax_scale
+    k_nope = torch.einsum("hdc,sc->shd", w_uk, c_kv)  # [S,H,128]
+    v = torch.einsum("hdc,sc->shd", w_uv, c_kv)  # [S,H,128]
+    qr = apply_rope(q_pe, q_pos, model)
+    kr = apply_rope(k_pe, kv_pos, model)
+    scores = torch.einsum("nhd,shd->nhs", q_nope, k_nope) + torch.einsum("nhd,sd->nhs", qr, kr)
+    scores = (scores * scale).masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("nhs,shd->nhd", torch.softmax(scores, -1), v)
+
+
+def absorb(q_nope, q_pe, c_kv, k_pe, w_uk, q_pos, kv_pos, model: ModelConfig):
+    """Kernel-layout rows: q [N,H,576] = [W_UKᵀ q_nope, rope(q_pe)], k [S,576] = [c_kv, rope(k_pe)]."""
+    q_lat = torch.einsum("hdc,nhd->nhc", w_uk, q_nope)
+    q = torch.cat([q_lat, apply_rope(q_pe, q_pos, model)], -1)
+    k = torch.cat([c_kv, apply_rope(k_pe, kv_pos, model)], -1)
+    return q, k
+
+
+def absorbed_attention(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float,
+                       max_elems: int = 1 << 26):
+    """q [N,H,576], k [S,576] (values = k[:, :512]), mask [N,S] bool -> (o_lat [N,H,512], lse [N,H]) in float64.
+    lse is ln Σ exp(scale·score) over attended keys (-inf for a row that attends to nothing).
+    Rows are processed in chunks so that a 128K-token prefix does not need an [N·H, S] score matrix at once."""
+    q, k = q.to(torch.float64), k.to(torch.float64)
+    N, H, _ = q.shape
+    S = k.shape[0]
+    out = torch.empty(N, H, LATENT_DIM, dtype=torch.float64, device=q.device)
+    lse = torch.empty(N, H, dtype=torch.float64, device=q.device)
+    step = max(1, max_elems // max(1, S * H))
+    v = k[:, :LATENT_DIM]
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        s = torch.einsum("nhd,sd->nhs", q[n0:n1], k) * scale
+        s = s.masked_fill(~mask[n0:n1, None, :], float("-inf"))
+        row_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - row_lse[..., None].clamp(min=-1e300))  # an empty row stays all zero
+        p = torch.nan_to_num(p, nan=0.0)
+        out[n0:n1] = torch.einsum("nhs,sc->nhc", p, v)
+        lse[n0:n1] = row_lse
+    return out, lse
+
+
+# ------------------------------------------------------------------------------- the kernel contract
+def unpack_tree_mask(tree_mask: torch.Tensor, rows: slice, T: int) -> torch.Tensor:
+    """tree_mask [N_q, W] (uint64 bits stored as int64) -> bool [T, T] for one request's rows."""
+    words = tree_mask[rows].to(torch.int64)
+    j = torch.arange(T, device=words.device)
+    bits = (words[:, j // 64] >> (j % 64)) & 1
+    return bits.bool()
+
+
+def gather_kv(kv_cache: torch.Tensor, page_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Logical rows 0..length-1 of one request from the paged cache [pages, page_size, 576]."""
+    page_size = kv_cache.shape[1]
+    pos = torch.arange(length, device=kv_cache.device)
+    pages = page_table_row.to(kv_cache.device).long()[pos // page_size]
+    return kv_cache[pages, pos % page_size]
+
+
+def reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,
+                          device: str | torch.device = "cpu"):
+    """Float64 reference of kdtree_verify_attn (DESIGN.md §2). Inputs in kernel layout (any dtype; they are
+    upcast exactly). Returns (out [N_q,H,512] float64, lse [N_q,H] float64) on `device`."""
+    q = q.to(device=device, dtype=torch.float64)
+    kv_cache = kv_cache.to(device=device)
+    N_q, H, D = q.shape
+    assert D == QK_DIM
+    out = torch.empty(N_q, H, LATENT_DIM, dtype=torch.float64, device=device)
+    lse = torch.empty(N_q, H, dtype=torch.float64, device=device)
+    B = len(prefix_lens)
+    for b in range(B):
+        L = int(prefix_lens[b])
+        r0, r1 = int(q_indptr[b]), int(q_indptr[b + 1])
+        T = r1 - r0
+        if T == 0:
+            continue
+        k = gather_kv(kv_cache, page_table[b], L + T).to(torch.float64)
+        mask = torch.ones(T, L + T, dtype=torch.bool, device=device)
+        mask[:, L:] = unpack_tree_mask(tree_mask.to(device), slice(r0, r1), T)
+        out[r0:r1], lse[r0:r1] = absorbed_attention(q[r0:r1], k, mask, scale)
+    return out, lse

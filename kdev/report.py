@@ -1,0 +1,78 @@
+"""Terminal output: rich tables and progress on stderr, exactly one JSON document on stdout with --json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+stderr = Console(stderr=True, highlight=False)
+stdout = Console(highlight=False)
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):
+        return _jsonable(x.item())
+    return x
+
+
+def emit_json(doc: dict) -> None:
+    sys.stdout.write(json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def info(msg: str) -> None:
+    stderr.print(msg)
+
+
+def warn(msg: str) -> None:
+    stderr.print(f"[yellow]warning:[/] {msg}")
+
+
+def error(msg: str) -> None:
+    stderr.print(f"[red]error:[/] {msg}", markup=True, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def progress(label: str, total: int):
+    """Yields advance(text) for a bar on stderr; transient so that only the results remain."""
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=stderr, transient=True)
+    with bar:
+        task = bar.add_task(label, total=total, item="")
+
+        def advance(item: str = "") -> None:
+            bar.update(task, advance=1, item=item)
+
+        yield advance
+
+
+def table(title: str, columns: list[str], rows: list[list], styles: dict | None = None) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in columns:
+        t.add_column(c, justify="left" if c in (styles or {}).get("left", ()) else "right")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    return t
+
+
+def show(renderable) -> None:
+    """Human output goes to stdout when not in --json mode."""
+    stdout.print(renderable)
+
+
+def fmt_float(x: float, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    return f"{x:.{digits}e}" if x != 0 and (abs(x) < 1e-2 or abs(x) >= 1e4) else f"{x:.{digits}f}"

@@ -1,0 +1,41 @@
+import json
+
+from typer.testing import CliRunner
+
+from kdev.cli import app
+
+runner = CliRunner()
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith("kdev ")
+
+
+def test_gen_refs_check_committed_smoke_json():
+    r = runner.invoke(app, ["gen-refs", "--suite", "smoke", "--check", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["cases"] >= 12
+
+
+def test_gen_refs_write_force_and_check_failure(tiny_suites, tmp_path):
+    args = ["gen-refs", "--suite", "tiny", "--config", str(tiny_suites), "--out", str(tmp_path)]
+    assert runner.invoke(app, args + ["--json"]).exit_code == 0
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "already exists" in r.stderr and "Traceback" not in r.output
+    assert runner.invoke(app, args + ["--force"]).exit_code == 0
+    assert runner.invoke(app, args + ["--check"]).exit_code == 0
+    # change the suite definition: the files on disk no longer match -> exit 1, naming the file
+    tiny_suites.write_text(tiny_suites.read_text().replace("seed: 2", "seed: 3"))
+    r = runner.invoke(app, args + ["--check"])
+    assert r.exit_code == 1 and "b.safetensors: differs" in r.stderr
+
+
+def test_bad_input_is_one_line_exit_2(write_yaml):
+    p = write_yaml("bad.yaml", "suites:\n  x:\n    cases:\n      - {name: a, prefix_lens: [1], tree: {kind: chain, nodes: 2}, heads: 8, seed: 1, oops: 1}\n")
+    r = runner.invoke(app, ["gen-refs", "--suite", "x", "--config", str(p)])
+    assert r.exit_code == 2 and "oops: unknown key" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    r = runner.invoke(app, ["gen-refs", "--suite", "nope"])
+    assert r.exit_code == 2 and "no suite named 'nope'" in r.stderr

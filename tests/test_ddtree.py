@@ -1,0 +1,103 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from kdev import ddtree
+
+
+def _paths_by_brute_force(lp: np.ndarray, budget: int) -> list[tuple]:
+    """All rank paths of depth 1..D, ordered by (score desc, path asc), first `budget`."""
+    D, K = lp.shape
+    lp = lp.astype(np.float64)
+    paths = []
+    for d in range(1, D + 1):
+        for path in itertools.product(range(K), repeat=d):
+            s = 0.0
+            for i, r in enumerate(path):
+                s += lp[i, r]
+            paths.append((-s, path))
+    paths.sort()
+    return [p for _, p in paths[:budget]]
+
+
+def _rank_paths(tree: ddtree.Tree, dist: ddtree.DrafterDist) -> list[tuple]:
+    ranks = {}
+    out = []
+    for i in range(1, tree.size):
+        d = int(tree.depths[i])
+        r = int(np.nonzero(dist.token_ids[d - 1] == tree.tokens[i])[0][0])
+        path = (ranks[int(tree.parents[i])] if tree.parents[i] > 0 else ()) + (r,)
+        ranks[i] = path
+        out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("seed,depth,topk,budget,ties", [
+    (0, 3, 4, 20, False), (1, 4, 3, 40, False), (2, 3, 5, 30, True), (3, 5, 2, 31, True), (4, 2, 3, 100, False),
+])
+def test_build_equals_brute_force_top_n(seed, depth, topk, budget, ties):
+    rng = np.random.Generator(np.random.PCG64(seed))
+    dist = ddtree.synthetic_drafter(rng, depth, topk, vocab=60, sharpness=1.5, ties=ties)
+    tree = ddtree.build_ddtree(dist, budget, root_token=7)
+    want = _paths_by_brute_force(dist.log_probs, budget)
+    assert _rank_paths(tree, dist) == want  # same nodes in the same order
+    assert tree.size == 1 + min(budget, sum(topk**d for d in range(1, depth + 1)))
+    assert tree.tokens[0] == 7 and tree.parents[0] == -1 and tree.depths[0] == 0
+    assert all(tree.parents[i] < i for i in range(1, tree.size))
+    assert tree.depths.max() <= depth
+
+
+def test_ties_exist_and_are_deterministic():
+    rng = np.random.Generator(np.random.PCG64(11))
+    dist = ddtree.synthetic_drafter(rng, 4, 6, vocab=30, ties=True)
+    assert len(np.unique(dist.log_probs)) < dist.log_probs.size  # deliberate equal log-probs
+    a = ddtree.build_ddtree(dist, 50)
+    b = ddtree.build_ddtree(dist, 50)
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.parents, b.parents)
+
+
+def test_mask_rows_are_ancestor_sets_and_positions():
+    rng = np.random.Generator(np.random.PCG64(5))
+    tree = ddtree.random_tree(rng, 150, rng.integers(0, 100, 150))
+    W = ddtree.mask_words(tree.size)
+    assert W == 3
+    rows = ddtree.tree_mask_rows(tree, W)
+    assert rows.dtype == np.uint64 and rows.shape == (150, 3)
+    for i in range(tree.size):
+        got = {j for j in range(150) if (int(rows[i, j // 64]) >> (j % 64)) & 1}
+        assert got == set(tree.ancestors(i))
+    pos = tree.positions(1000)
+    assert pos[0] == 1000 and all(pos[i] == pos[tree.parents[i]] + 1 for i in range(1, 150))
+
+
+def test_accept_greedy_walk_and_bonus():
+    # root -> 1 (tok 5) -> 3 (tok 9); root -> 2 (tok 6)
+    tree = ddtree.Tree(np.array([0, 5, 6, 9]), np.array([-1, 0, 0, 1]), np.array([0, 1, 1, 2]))
+    acc = ddtree.accept_greedy(tree, np.array([5, 9, 0, 42]))
+    assert acc.nodes.tolist() == [0, 1, 3] and acc.bonus_token == 42
+    acc = ddtree.accept_greedy(tree, np.array([6, 9, 77, 42]))
+    assert acc.nodes.tolist() == [0, 2] and acc.bonus_token == 77
+    acc = ddtree.accept_greedy(tree, np.array([8, 9, 77, 42]))
+    assert acc.nodes.tolist() == [0] and acc.bonus_token == 8
+
+
+def test_compact_kv_reads_before_writing():
+    page_size, L = 4, 3
+    kv = np.arange(4 * page_size * 2, dtype=np.float32).reshape(4, page_size, 2)
+    page_table = np.array([2, 0, 3, 1])
+    # accepted nodes 0, 2, 1: slot L+1 <- node 2's row while node 2's own slot L+2 <- node 1's row (overlap)
+    acc = np.array([0, 2, 1])
+    out = ddtree.compact_kv(kv, page_table, L, acc)
+
+    def row(c, pos):
+        return c[page_table[pos // page_size], pos % page_size]
+
+    for i, a in enumerate(acc):
+        assert np.array_equal(row(out, L + i), row(kv, L + a))
+    assert np.array_equal(row(out, 0), row(kv, 0))
+    # a write-as-you-go copy would have corrupted slot L+2
+    naive = kv.copy()
+    for i, a in enumerate(acc):
+        naive[page_table[(L + i) // page_size], (L + i) % page_size] = row(naive, L + a)
+    assert not np.array_equal(row(naive, L + 2), row(kv, L + 1))

@@ -1,0 +1,128 @@
+import os
+
+import pytest
+import torch
+import yaml
+
+from kdev import config, vectors
+from kdev.errors import BadInput
+
+
+@pytest.fixture
+def tiny(tiny_suites, tmp_path):
+    spec = config.load_suite("tiny", tiny_suites)
+    root = tmp_path / "vec"
+    vectors.write_suite(spec, root)
+    return spec, root
+
+
+def test_round_trip_and_layout(tiny):
+    spec, root = tiny
+    suite = vectors.open_suite(str(root / "tiny"))
+    assert [c["name"] for c in suite.cases] == ["a", "b"]
+    t = suite.load_case(suite.cases[0])
+    assert t["q"].dtype == torch.bfloat16 and t["q"].shape[1:] == (3, 576)
+    assert t["kv_cache"].shape[1:] == (64, 576)
+    assert t["tree_mask"].dtype == torch.int64
+    # NaN in every unowned slot, finite in every owned one
+    owned = torch.zeros(t["kv_cache"].shape[:2], dtype=torch.bool)
+    ind = t["q_indptr"].tolist()
+    for b, L in enumerate(t["prefix_lens"].tolist()):
+        for pos in range(L + ind[b + 1] - ind[b]):
+            owned[t["page_table"][b, pos // 64], pos % 64] = True
+    kv = t["kv_cache"].float()
+    assert torch.isfinite(kv[owned]).all() and torch.isnan(kv[~owned]).all()
+    assert torch.isfinite(t["out"]).all() and torch.isfinite(t["lse"]).all()
+    assert t["drafter_log_probs"].shape == (2, 3, 6)
+    assert vectors.check_suite(spec, suite) == []
+
+
+def test_inputs_reproduce_bit_for_bit(tiny_suites):
+    spec = config.load_suite("tiny", tiny_suites).cases[0]
+    assert vectors.case_bytes(vectors.generate_case(spec)) == vectors.case_bytes(vectors.generate_case(spec))
+
+
+def test_refuses_overwrite_without_force(tiny):
+    spec, root = tiny
+    with pytest.raises(BadInput, match="already exists"):
+        vectors.write_suite(spec, root)
+    vectors.write_suite(spec, root, force=True)
+    assert sorted(p.name for p in root.iterdir()) == ["tiny"]  # no temp folders left
+
+
+def test_tampered_and_truncated_refused(tiny):
+    _, root = tiny
+    suite = vectors.open_suite(str(root / "tiny"))
+    f = root / "tiny" / suite.cases[1]["file"]
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match="sha256 does not match"):
+        suite.load_case(suite.cases[1])
+    f.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(BadInput, match="b.safetensors: sha256"):
+        suite.check_integrity()
+
+
+def test_check_names_the_differing_file(tiny):
+    spec, root = tiny
+    suite = vectors.open_suite(str(root / "tiny"))
+    entry = suite.cases[0]
+    t = suite.load_case(entry)
+    t["q"][0, 0, 0] += 1.0  # a wrong input, with a manifest that agrees (so only --check can see it)
+    data = vectors.st_save(t)
+    (root / "tiny" / entry["file"]).write_bytes(data)
+    entry["sha256"] = vectors.sha256_bytes(data)
+    problems = vectors.check_suite(spec, suite)
+    assert len(problems) == 1 and problems[0].startswith("a.safetensors: differs in") and "q" in problems[0]
+    t["out"][0, 0, 0] += 1e-3
+    t["q"][0, 0, 0] -= 1.0
+    data = vectors.st_save(t)
+    (root / "tiny" / entry["file"]).write_bytes(data)
+    entry["sha256"] = vectors.sha256_bytes(data)
+    problems = vectors.check_suite(spec, suite)
+    assert len(problems) == 1 and "out (relative error" in problems[0]
+
+
+def test_stale_suite_refused_unless_allowed(tiny, monkeypatch):
+    _, root = tiny
+    monkeypatch.setattr(vectors, "generator_hash", lambda: "0" * 64)
+    with pytest.raises(BadInput, match="stale vectors"):
+        vectors.open_suite(str(root / "tiny"))
+    seen = []
+    assert vectors.open_suite(str(root / "tiny"), allow_stale=True, warn=seen.append).stale
+    assert seen and "stale" in seen[0]
+
+
+def test_interrupted_write_leaves_no_suite(tiny_suites, tmp_path, monkeypatch):
+    spec = config.load_suite("tiny", tiny_suites)
+    real = vectors.generate_case
+    calls = []
+
+    def boom(s, device="cpu"):
+        calls.append(s.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(s, device)
+
+    monkeypatch.setattr(vectors, "generate_case", boom)
+    with pytest.raises(KeyboardInterrupt):
+        vectors.write_suite(spec, tmp_path / "vec")
+    assert list((tmp_path / "vec").iterdir()) == []
+
+
+def test_manifest_contents(tiny):
+    _, root = tiny
+    m = yaml.safe_load((root / "tiny" / "manifest.yaml").read_text())
+    assert m["schema_version"] == 1 and m["generator_hash"] == vectors.generator_hash()
+    e = m["cases"][0]
+    assert {"sha256", "seed", "shapes", "dtypes", "tolerances", "spec", "scale"} <= set(e)
+    assert e["dtypes"]["q"] == "bfloat16" and e["shapes"]["q"][2] == 576
+
+
+def test_committed_smoke_suite_is_intact_and_current():
+    suite = vectors.open_suite("smoke")
+    suite.check_integrity()
+    total = sum(os.path.getsize(suite.path / c["file"]) for c in suite.cases)
+    assert total <= 16 * 1024 * 1024
+    assert max(max(c["tree_sizes"]) for c in suite.cases) > 64 and min(min(c["tree_sizes"]) for c in suite.cases) == 1
