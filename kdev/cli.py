@@ -114,5 +114,51 @@ def gen_refs(
         report.show(f"wrote {len(rows)} cases, {total / 1e6:.1f} MB")
 
 
+# ------------------------------------------------------------------------------------------------ build
+def _split_archs(values: Optional[list[str]]) -> Optional[list[str]]:
+    if not values:
+        return None
+    return [a.strip() for v in values for a in v.split(",") if a.strip()]
+
+
+@app.command("build")
+@command
+def build_cmd(
+    arch: Optional[list[str]] = typer.Option(None, "--arch", help="Target arch(s), e.g. sm_90 or sm_90,sm_120 "
+                                                                 "(default: build.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Build config (default configs/build.yaml)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when the cache key matches."),
+    json_out: bool = JsonOpt,
+):
+    """Build kernels/ into one shared library (C ABI) per configuration, gated on the ptxas report."""
+    from kdev import build as kbuild
+    from kdev import config as cfg
+
+    bc = cfg.load_build(config, _split_archs(arch))
+    res = kbuild.build(bc, force=force, log=report.info)
+    if json_out:
+        report.emit_json({**res.to_dict(), "ok": not res.problems})
+    else:
+        rows = [[r["kernel"], r["arch"], r["registers"], r["spill_stores"], r["spill_loads"], r["stack_frame"],
+                 r["smem"]] for r in res.resources]
+        report.show(report.table(f"ptxas resources ({res.folder.name})",
+                                 ["kernel", "arch", "regs", "spill st", "spill ld", "stack", "smem"], rows,
+                                 {"left": ("kernel", "arch")}))
+        emb = res.embedded
+        if emb.get("sass") is None:
+            report.warn("cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')")
+        else:
+            report.show(f"embedded: SASS {', '.join(emb['sass']) or '-'}; PTX {', '.join(emb['ptx']) or '-'}")
+        info = res.build_info
+        dirty = " (dirty)" if info.get("git_dirty") else ""
+        state = "up to date, nothing compiled" if res.cached else f"built in {res.seconds:.1f} s"
+        report.show(f"{res.library}: {state}; sources {info['source_hash'][:12]}, "
+                    f"git {str(info.get('git_sha'))[:12]}{dirty}, nvcc {info['nvcc_version']}")
+        for p in res.problems:
+            report.error(p)
+    if res.problems:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
 def main():
     app()

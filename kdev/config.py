@@ -316,3 +316,40 @@ def load_suite(name: str, path: str | Path | None = None) -> SuiteSpec:
     if name not in suites:
         raise BadInput(f"{path or CONFIG_DIR / 'suites.yaml'}: no suite named {name!r} (have: {', '.join(suites)})")
     return suites[name]
+
+
+# ----------------------------------------------------------------------------------------------- build
+@dataclass(frozen=True)
+class BuildConfig:
+    archs: tuple
+    flags: tuple
+    output_dir: Path
+    allow_spills: bool
+    smem_limit_bytes: dict
+    path: Path
+
+
+def _arch_ok(a) -> bool:
+    return isinstance(a, str) and a.startswith("sm_") and a[3:].rstrip("a").isdigit()
+
+
+def load_build(path: str | Path | None = None, archs: list[str] | None = None) -> BuildConfig:
+    path = Path(path) if path else CONFIG_DIR / "build.yaml"
+    r = _Reader(load_yaml(path), path, "")
+    cfg_archs = r.get("archs", list, check=lambda v: len(v) > 0 and all(map(_arch_ok, v)),
+                      check_msg="a non-empty list like [sm_90, sm_120]")
+    flags = r.get("flags", list, check=lambda v: all(isinstance(f, str) for f in v), check_msg="a list of strings")
+    out = Path(r.get("output_dir", str, "build"))
+    allow_spills = r.get("allow_spills", bool, False)
+    lim = r.sub("smem_limit_bytes", {})
+    limits = {k: lim.positive_int(k) for k in list(lim.data)}
+    lim.done()
+    r.done()
+    if archs:
+        bad = [a for a in archs if not _arch_ok(a)]
+        if bad:
+            raise BadInput(f"--arch: {bad[0]!r} is not an arch like sm_90")
+        cfg_archs = archs
+    return BuildConfig(archs=tuple(dict.fromkeys(cfg_archs)), flags=tuple(flags),
+                       output_dir=out if out.is_absolute() else REPO_ROOT / out, allow_spills=allow_spills,
+                       smem_limit_bytes=limits, path=path)

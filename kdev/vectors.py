@@ -37,6 +37,7 @@ from safetensors.torch import save as st_save
 from kdev import ddtree, mla
 from kdev.config import QK_DIM, CaseSpec, SuiteSpec, Tolerances, load_model
 from kdev.errors import BadInput
+from kdev.fsutil import atomic_write_bytes
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.yaml"
@@ -57,21 +58,6 @@ def generator_hash() -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ----------------------------------------------------------------------------------- random inputs

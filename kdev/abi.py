@@ -1,0 +1,255 @@
+"""ctypes binding of the built library: signatures, argument checks, status -> exception.
+
+Tensor arguments are checked here (device, dtype, shape, contiguity, alignment) and a clear Python error is
+raised before anything is called; the C side validates again and never launches on bad arguments. Calls run
+on the current torch CUDA stream. Loading a library built from other sources than the current kernels/
+warns (StaleLibraryWarning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kdev import build as kbuild
+from kdev.config import LATENT_DIM, QK_DIM
+from kdev.errors import EnvironmentMissing
+
+STATUS = {0: "ok", 1: "invalid argument", 2: "CUDA error", 3: "workspace missing or too small"}
+VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash"}
+
+
+class VerifyAttnParams(ctypes.Structure):
+    """Mirror of VerifyAttnParams in kernels/include/kdev/verify_attn.cuh (field order and types)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("batch", ctypes.c_int32),
+        ("total_q", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("max_qlen", ctypes.c_int32),
+        ("mask_words", ctypes.c_int32),
+        ("num_pages", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("max_pages", ctypes.c_int32),
+        ("max_kv_len", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("q", ctypes.c_void_p),
+        ("kv_cache", ctypes.c_void_p),
+        ("page_table", ctypes.c_void_p),
+        ("prefix_lens", ctypes.c_void_p),
+        ("q_indptr", ctypes.c_void_p),
+        ("tree_mask", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+class KernelError(RuntimeError):
+    """A non-zero status from the library, with kdtree_last_error()."""
+
+    def __init__(self, fn: str, status: int, message: str):
+        super().__init__(f"{fn}: status {status} ({STATUS.get(status, '?')}): {message}")
+        self.fn, self.status, self.message = fn, status, message
+
+
+class AbiArgumentError(ValueError):
+    """A tensor argument that the contract rejects, caught before the call."""
+
+
+class StaleLibraryWarning(UserWarning):
+    pass
+
+
+def _check(name: str, t: torch.Tensor, dtype, ndim: int, device: torch.device, align: int = 16):
+    if not isinstance(t, torch.Tensor):
+        raise AbiArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise AbiArgumentError(f"{name}: on {t.device}, expected {device}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        raise AbiArgumentError(f"{name}: dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if t.dim() != ndim:
+        raise AbiArgumentError(f"{name}: {t.dim()} dims {tuple(t.shape)}, expected {ndim}")
+    if not t.is_contiguous():
+        raise AbiArgumentError(f"{name}: not contiguous")
+    if t.data_ptr() % align:
+        raise AbiArgumentError(f"{name}: data pointer not {align}-byte aligned")
+
+
+@dataclass
+class VerifyInputs:
+    """The contract's inputs for one call (DESIGN.md §2), on one CUDA device."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    page_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    q_indptr: torch.Tensor
+    tree_mask: torch.Tensor
+    scale: float
+    max_qlen: int | None = None  # host-side bounds; computed (one host sync) when None
+    max_kv_len: int | None = None
+
+    @staticmethod
+    def from_case(tensors: dict, scale: float, device) -> "VerifyInputs":
+        return VerifyInputs(*(tensors[k].to(device).contiguous() for k in
+                              ("q", "kv_cache", "page_table", "prefix_lens", "q_indptr", "tree_mask")), scale=scale)
+
+
+def check_inputs(x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple[int, int, int]:
+    """Contract checks that need no GPU: dtypes, ranks, widths, batch consistency, contiguity, alignment,
+    one device for all. Returns (total_q, heads, batch)."""
+    dev = x.q.device if isinstance(x.q, torch.Tensor) else None
+    _check("q", x.q, torch.bfloat16, 3, dev)
+    _check("kv_cache", x.kv_cache, torch.bfloat16, 3, dev)
+    _check("page_table", x.page_table, torch.int32, 2, dev, 4)
+    _check("prefix_lens", x.prefix_lens, torch.int32, 1, dev, 4)
+    _check("q_indptr", x.q_indptr, torch.int32, 1, dev, 4)
+    _check("tree_mask", x.tree_mask, (torch.int64, torch.uint64), 2, dev, 8)
+    _check("out", out, torch.bfloat16, 3, dev)
+    _check("lse", lse, torch.float32, 2, dev, 4)
+    n_q, heads, width = x.q.shape
+    batch = x.prefix_lens.shape[0]
+    if width != QK_DIM:
+        raise AbiArgumentError(f"q: rows are {width} wide, expected {QK_DIM} (512 latent + 64 RoPE)")
+    if x.kv_cache.shape[2] != QK_DIM:
+        raise AbiArgumentError(f"kv_cache: rows are {x.kv_cache.shape[2]} wide, expected {QK_DIM}")
+    if x.q_indptr.shape[0] != batch + 1 or x.page_table.shape[0] != batch:
+        raise AbiArgumentError(f"batch mismatch: prefix_lens {batch}, q_indptr {x.q_indptr.shape[0]} "
+                               f"(want {batch + 1}), page_table {x.page_table.shape[0]}")
+    if x.tree_mask.shape[0] != n_q:
+        raise AbiArgumentError(f"tree_mask: {x.tree_mask.shape[0]} rows, q has {n_q}")
+    if tuple(out.shape) != (n_q, heads, LATENT_DIM):
+        raise AbiArgumentError(f"out: shape {tuple(out.shape)}, expected {(n_q, heads, LATENT_DIM)}")
+    if tuple(lse.shape) != (n_q, heads):
+        raise AbiArgumentError(f"lse: shape {tuple(lse.shape)}, expected {(n_q, heads)}")
+    return n_q, heads, batch
+
+
+class Library:
+    def __init__(self, path: str | Path | None = None):
+        path = Path(path) if path else kbuild.latest_library()
+        if path is None or not Path(path).is_file():
+            raise EnvironmentMissing(f"kernel library not built ({path or 'build/latest.json missing'}): run 'kdev build'")
+        self.path = Path(path)
+        try:
+            self.lib = ctypes.CDLL(str(self.path))
+        except OSError as e:
+            raise EnvironmentMissing(f"{self.path}: cannot load: {e}") from None
+        L = self.lib
+        L.kdtree_last_error.restype = ctypes.c_char_p
+        L.kdtree_build_info.restype = ctypes.c_char_p
+        L.kdtree_max_qlen.restype = ctypes.c_int
+        L.kdtree_params_size.restype = ctypes.c_size_t
+        L.kdtree_abi_version.restype = ctypes.c_int
+        P = ctypes.POINTER(VerifyAttnParams)
+        for fn in VERIFY_KERNELS.values():
+            getattr(L, fn).argtypes = [P, ctypes.c_void_p]
+            getattr(L, fn).restype = ctypes.c_int
+        L.kdtree_verify_attn_workspace_size.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
+        L.kdtree_verify_attn_workspace_size.restype = ctypes.c_int
+        L.kdtree_verify_attn_flash_splits.argtypes = [P, ctypes.POINTER(ctypes.c_int)]
+        L.kdtree_verify_attn_flash_splits.restype = ctypes.c_int
+        if L.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
+            raise EnvironmentMissing(f"{self.path}: VerifyAttnParams is {L.kdtree_params_size()} B in the library, "
+                                     f"{ctypes.sizeof(VerifyAttnParams)} B here: rebuild with 'kdev build'")
+        self.build_info = json.loads(L.kdtree_build_info().decode())
+        self.stale = self.build_info.get("source_hash") != kbuild.source_hash()
+        if self.stale:
+            warnings.warn(f"{self.path} was built from sources {self.build_info.get('source_hash', '?')[:12]}, "
+                          f"kernels/ is now {kbuild.source_hash()[:12]}: run 'kdev build'", StaleLibraryWarning,
+                          stacklevel=2)
+
+    # ------------------------------------------------------------------------------------ small calls
+    @property
+    def max_qlen(self) -> int:
+        return self.lib.kdtree_max_qlen()
+
+    def last_error(self) -> str:
+        return self.lib.kdtree_last_error().decode(errors="replace")
+
+    def _status(self, fn: str, status: int) -> None:
+        if status != 0:
+            raise KernelError(fn, status, self.last_error())
+
+    # ---------------------------------------------------------------------------------------- params
+    def params(self, x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor,
+               workspace: torch.Tensor | None = None) -> VerifyAttnParams:
+        """Check every tensor against the contract and fill the params struct."""
+        if not isinstance(x.q, torch.Tensor) or x.q.device.type != "cuda":
+            raise AbiArgumentError(f"q: must be a CUDA tensor (got {getattr(x.q, 'device', type(x.q))})")
+        n_q, heads, batch = check_inputs(x, out, lse)
+        dev = x.q.device
+        max_qlen, max_kv_len = x.max_qlen, x.max_kv_len
+        if max_qlen is None or max_kv_len is None:
+            lens = (x.q_indptr[1:] - x.q_indptr[:-1]).cpu()
+            max_qlen = max_qlen or int(lens.max())
+            max_kv_len = max_kv_len or int((lens + x.prefix_lens.cpu()).max())
+        p = VerifyAttnParams(
+            struct_size=ctypes.sizeof(VerifyAttnParams), batch=batch, total_q=n_q, num_heads=heads,
+            max_qlen=max_qlen, mask_words=x.tree_mask.shape[1], num_pages=x.kv_cache.shape[0],
+            page_size=x.kv_cache.shape[1], max_pages=x.page_table.shape[1], max_kv_len=max_kv_len,
+            scale=float(x.scale), reserved=0,
+            q=x.q.data_ptr(), kv_cache=x.kv_cache.data_ptr(), page_table=x.page_table.data_ptr(),
+            prefix_lens=x.prefix_lens.data_ptr(), q_indptr=x.q_indptr.data_ptr(), tree_mask=x.tree_mask.data_ptr(),
+            out=out.data_ptr(), lse=lse.data_ptr(), workspace=None, workspace_bytes=0)
+        if workspace is not None:
+            _check("workspace", workspace, workspace.dtype, 1, dev)
+            p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
+        return p
+
+    def workspace_size(self, p: VerifyAttnParams) -> int:
+        n = ctypes.c_size_t(0)
+        self._status("kdtree_verify_attn_workspace_size", self.lib.kdtree_verify_attn_workspace_size(ctypes.byref(p), ctypes.byref(n)))
+        return n.value
+
+    def flash_splits(self, p: VerifyAttnParams) -> int:
+        n = ctypes.c_int(0)
+        self._status("kdtree_verify_attn_flash_splits", self.lib.kdtree_verify_attn_flash_splits(ctypes.byref(p), ctypes.byref(n)))
+        return n.value
+
+    # ----------------------------------------------------------------------------------------- calls
+    def call(self, kernel: str, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None) -> None:
+        """Launch one verify kernel on `stream` (default: the current torch stream). Asynchronous."""
+        if kernel not in VERIFY_KERNELS:
+            raise AbiArgumentError(f"unknown verify kernel {kernel!r} (have {', '.join(VERIFY_KERNELS)})")
+        fn = VERIFY_KERNELS[kernel]
+        s = stream or torch.cuda.current_stream()
+        self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
+
+    def alloc_outputs(self, x: VerifyInputs):
+        """out and lse poisoned with NaN, so an unwritten element cannot pass."""
+        n_q, heads, _ = x.q.shape
+        out = torch.full((n_q, heads, LATENT_DIM), float("nan"), dtype=torch.bfloat16, device=x.q.device)
+        lse = torch.full((n_q, heads), float("nan"), dtype=torch.float32, device=x.q.device)
+        return out, lse
+
+    def alloc_workspace(self, kernel: str, p: VerifyAttnParams, device) -> torch.Tensor | None:
+        if kernel != "flash":
+            return None
+        n = self.workspace_size(p)
+        if n == 0:
+            return None
+        ws = torch.full(((n + 3) // 4,), float("nan"), dtype=torch.float32, device=device)
+        p.workspace, p.workspace_bytes = ws.data_ptr(), ws.numel() * 4
+        return ws
+
+    def run(self, kernel: str, x: VerifyInputs, sync: bool = True):
+        """Poisoned outputs, workspace, launch on the current stream, (sync). Returns (out, lse)."""
+        out, lse = self.alloc_outputs(x)
+        p = self.params(x, out, lse)
+        ws = self.alloc_workspace(kernel, p, x.q.device)
+        self.call(kernel, p)
+        if sync:
+            torch.cuda.current_stream().synchronize()
+        del ws
+        return out, lse

@@ -1,0 +1,338 @@
+"""nvcc driver: per-arch compile into one shared library, content-hash cache, ptxas resource gate, provenance.
+
+A configuration (archs + flags) builds into build/kdtree-<archs>-<flags hash>/libkdtree.so with SASS for
+every arch and PTX for the newest. The cache key is the hash of the kernel sources, the flags, the archs
+and the nvcc version: when it matches the last build's, nothing is compiled. Provenance (git sha and dirty
+flag, source hash, nvcc version, archs, flags) is embedded through a generated source file that defines
+kdtree_build_info(). The `-Xptxas -v` report becomes a table per kernel and arch; a spill, or static shared
+memory above the arch's limit, fails the build unless build.yaml allows it. cuobjdump confirms which
+archs the library really carries.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kdev import __version__
+from kdev.config import REPO_ROOT, BuildConfig
+from kdev.errors import CheckFailed, EnvironmentMissing
+from kdev.fsutil import atomic_write_bytes
+
+KERNEL_DIR = REPO_ROOT / "kernels"
+LIB_NAME = "libkdtree.so"
+LATEST = "latest.json"
+
+
+# ------------------------------------------------------------------------------------------- sources
+def kernel_sources(kernel_dir: Path = KERNEL_DIR) -> list[Path]:
+    exts = {".cu", ".cuh", ".h", ".hpp", ".cpp"}
+    return sorted(p for p in kernel_dir.rglob("*") if p.is_file() and p.suffix in exts)
+
+
+def source_hashes(kernel_dir: Path = KERNEL_DIR) -> dict[str, str]:
+    """Per-file sha256, keyed by path relative to the repository root."""
+    root = kernel_dir.parent
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in kernel_sources(kernel_dir)}
+
+
+def source_hash(kernel_dir: Path = KERNEL_DIR) -> str:
+    h = hashlib.sha256()
+    for rel, digest in source_hashes(kernel_dir).items():
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- tools
+CUDA_HOMES = ["/usr/local/cuda"]
+
+
+def find_nvcc() -> str:
+    candidates = [os.environ.get("NVCC"), shutil.which("nvcc")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *CUDA_HOMES):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "nvcc"))
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise EnvironmentMissing("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
+
+
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"V(\d+\.\d+\.\d+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def find_cuobjdump(nvcc: str | None = None) -> str | None:
+    """On PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel (the `build` extra)."""
+    candidates = [shutil.which("cuobjdump")]
+    if nvcc:
+        candidates.append(str(Path(nvcc).parent / "cuobjdump"))
+    try:
+        import nvidia  # namespace package of NVIDIA's wheels
+
+        for base in nvidia.__path__:
+            candidates += [str(p) for p in Path(base).glob("cu*/bin/cuobjdump")]
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
+
+
+def git_state(repo: Path = REPO_ROOT) -> dict:
+    def git(*args):
+        r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None}
+
+
+# ------------------------------------------------------------------------------------ ptxas report
+@dataclass
+class KernelResources:
+    kernel: str
+    arch: str
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_frame: int = 0
+    smem: int = 0
+
+
+_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_USED = re.compile(r"Used (\d+) registers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(text: str) -> list[KernelResources]:
+    """Entries of `-Xptxas -v` output, one per (kernel, arch), in the order ptxas printed them."""
+    rows: list[KernelResources] = []
+    cur = None
+    for line in text.splitlines():
+        m = _RE_ENTRY.search(line)
+        if m:
+            cur = KernelResources(kernel=m.group(1), arch=m.group(2))
+            rows.append(cur)
+            continue
+        if cur is None:
+            continue
+        m = _RE_FRAME.search(line)
+        if m:
+            cur.stack_frame, cur.spill_stores, cur.spill_loads = map(int, m.groups())
+        m = _RE_USED.search(line)
+        if m:
+            cur.registers = int(m.group(1))
+            s = _RE_SMEM.search(line)
+            cur.smem = int(s.group(1)) if s else 0
+    return rows
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Readable kernel names (c++filt where present), stripped to the function name."""
+    tool = shutil.which("c++filt") or shutil.which("cu++filt")
+    out = {}
+    demangled = names
+    if tool and names:
+        r = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+        if r.returncode == 0 and len(r.stdout.splitlines()) == len(names):
+            demangled = r.stdout.splitlines()
+    for raw, nice in zip(names, demangled):
+        nice = nice.replace("(anonymous namespace)::", "").split("(")[0]
+        out[raw] = nice.removeprefix("kdtree::")
+    return out
+
+
+def resource_problems(rows: list[KernelResources], cfg: BuildConfig) -> list[str]:
+    problems = []
+    for r in rows:
+        if not cfg.allow_spills and (r.spill_stores or r.spill_loads):
+            problems.append(f"{r.kernel} [{r.arch}]: spills {r.spill_stores} B stores / {r.spill_loads} B loads")
+        limit = cfg.smem_limit_bytes.get(r.arch.rstrip("a"))
+        if limit is not None and r.smem > limit:
+            problems.append(f"{r.kernel} [{r.arch}]: {r.smem} B static shared memory > {limit} B limit")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ compile
+def gencode_flags(archs: tuple) -> list[str]:
+    """SASS for every arch; PTX of the newest too, so newer GPUs can JIT it."""
+    def num(a):
+        return int(a[3:].rstrip("a"))
+
+    newest = max(archs, key=num)
+    flags = []
+    for a in archs:
+        cc = a.replace("sm_", "compute_")
+        code = f"[{a},{cc}]" if a == newest else a
+        flags.append(f"-gencode=arch={cc},code={code}")
+    return flags
+
+
+def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
+    """{'sass': [...], 'ptx': [...]} as cuobjdump lists them, or None values without cuobjdump."""
+    if cuobjdump is None:
+        return {"sass": None, "ptx": None, "tool": None}
+    res = {"tool": cuobjdump}
+    for kind, flag in (("sass", "--list-elf"), ("ptx", "--list-ptx")):
+        r = subprocess.run([cuobjdump, flag, str(lib)], capture_output=True, text=True)
+        res[kind] = sorted(set(re.findall(r"\.(sm_\d+a?)\.(?:cubin|ptx)", r.stdout)), key=lambda a: int(a[3:].rstrip("a")))
+    return res
+
+
+@dataclass
+class BuildResult:
+    library: Path
+    folder: Path
+    cached: bool
+    key: str
+    build_info: dict
+    resources: list = field(default_factory=list)
+    embedded: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["library"], d["folder"] = str(self.library), str(self.folder)
+        return d
+
+
+def config_folder(cfg: BuildConfig) -> Path:
+    flags_hash = hashlib.sha256("\0".join(cfg.flags).encode()).hexdigest()[:8]
+    return cfg.output_dir / f"kdtree-{'-'.join(cfg.archs)}-{flags_hash}"
+
+
+def cache_key(cfg: BuildConfig, src_hash: str, nvcc_ver: str) -> str:
+    h = hashlib.sha256(json.dumps({"sources": src_hash, "flags": cfg.flags, "archs": cfg.archs, "nvcc": nvcc_ver},
+                                  sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _build_info_source(info: dict) -> str:
+    text = json.dumps(info, sort_keys=True)
+    assert ")KDEV\"" not in text
+    return ("// Generated by kdev build: provenance of this library. Do not edit.\n"
+            f'extern "C" const char* kdtree_build_info(void) {{ return R"KDEV({text})KDEV"; }}\n')
+
+
+_RE_DIAG = re.compile(r"^(.+?)\((\d+)\): (error|warning)[^:]*: (.*)$")
+
+
+def _compiler_errors(text: str) -> list[str]:
+    """nvcc / cicc diagnostics as 'file:line: error: message' lines (errors only)."""
+    out = []
+    for line in text.splitlines():
+        m = _RE_DIAG.match(line.strip())
+        if m and m.group(3) == "error":
+            path = m.group(1)
+            try:
+                path = str(Path(path).resolve().relative_to(Path.cwd()))
+            except ValueError:
+                pass
+            out.append(f"{path}:{m.group(2)}: error: {m.group(4)}")
+        elif " error" in line.lower() and ("ptxas" in line or "nvlink" in line or "fatal" in line.lower()):
+            out.append(line.strip())
+    return out
+
+
+def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR) -> BuildResult:
+    """Build (or reuse) the library for cfg. Raises CheckFailed on compiler errors and EnvironmentMissing
+    without nvcc; resource-gate failures are returned in result.problems (the library is kept for study,
+    but latest.json is not pointed at it)."""
+    import time
+
+    log = log or (lambda msg: None)
+    nvcc = find_nvcc()
+    ver = nvcc_version(nvcc)
+    src_hash = source_hash(kernel_dir)
+    key = cache_key(cfg, src_hash, ver)
+    folder = config_folder(cfg)
+    lib = folder / LIB_NAME
+    record = folder / "build.json"
+    if not force and lib.is_file() and record.is_file():
+        old = json.loads(record.read_text())
+        if old.get("key") == key:
+            res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
+                              resources=old["resources"], embedded=old["embedded"], problems=old["problems"])
+            if not res.problems:
+                _write_latest(cfg, res)
+            return res
+
+    t0 = time.time()
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {
+        **git_state(),
+        "source_hash": src_hash,
+        "sources": source_hashes(kernel_dir),
+        "nvcc_version": ver,
+        "archs": list(cfg.archs),
+        "flags": list(cfg.flags),
+        "kdev_version": __version__,
+        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    gen = folder / "build_info.gen.cpp"
+    atomic_write_bytes(gen, _build_info_source(info).encode())
+    fd, tmp_lib = tempfile.mkstemp(prefix=".libkdtree.", suffix=".so", dir=folder)
+    os.close(fd)
+    cu = [str(p) for p in kernel_sources(kernel_dir) if p.suffix == ".cu"]
+    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *cfg.flags, "-Xptxas", "-v", f"-I{kernel_dir / 'include'}",
+           *gencode_flags(cfg.archs), "--threads", "0", "-o", tmp_lib, *cu, str(gen)]
+    log(f"nvcc {ver}: {len(cu)} sources for {', '.join(cfg.archs)}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        Path(tmp_lib).unlink(missing_ok=True)
+        errors = _compiler_errors(text) or [line for line in text.splitlines() if line.strip()][-5:]
+        for e in errors:
+            log(e)
+        raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); first: {errors[0] if errors else '?'}")
+    os.replace(tmp_lib, lib)
+    rows = parse_ptxas(text)
+    names = demangle(sorted({r.kernel for r in rows}))
+    for r in rows:
+        r.kernel = names.get(r.kernel, r.kernel)
+    rows.sort(key=lambda r: (r.kernel, int(r.arch[3:].rstrip("a"))))
+    embedded = embedded_archs(lib, find_cuobjdump(nvcc))
+    problems = resource_problems(rows, cfg)
+    if embedded["sass"] is not None:
+        missing = [a for a in cfg.archs if a not in embedded["sass"]]
+        problems += [f"{a}: no SASS embedded in {lib.name}" for a in missing]
+    res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info,
+                      resources=[asdict(r) for r in rows], embedded=embedded, problems=problems,
+                      seconds=round(time.time() - t0, 1))
+    atomic_write_bytes(record, json.dumps({k: v for k, v in res.to_dict().items()
+                                           if k not in ("library", "folder", "cached", "seconds")},
+                                          indent=2).encode())
+    if not problems:
+        _write_latest(cfg, res)
+    return res
+
+
+def _write_latest(cfg: BuildConfig, res: BuildResult) -> None:
+    doc = {"library": str(res.library), "key": res.key, "archs": list(cfg.archs),
+           "source_hash": res.build_info["source_hash"]}
+    atomic_write_bytes(cfg.output_dir / LATEST, json.dumps(doc, indent=2).encode())
+
+
+def latest_library(output_dir: Path | None = None) -> Path | None:
+    """The library the last successful `kdev build` produced (KDEV_LIB overrides)."""
+    env = os.environ.get("KDEV_LIB")
+    if env:
+        return Path(env)
+    out = output_dir or (REPO_ROOT / "build")
+    f = out / LATEST
+    if not f.is_file():
+        return None
+    lib = Path(json.loads(f.read_text())["library"])
+    return lib if lib.is_file() else None

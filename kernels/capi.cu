@@ -1,0 +1,161 @@
+// The C ABI: the only seam between Python (ctypes) and the kernels.
+//
+// Every entry point returns an int status (KDTREE_OK, or KDTREE_ERR_* from verify_attn.cuh) and leaves a
+// message for kdtree_last_error() (per calling thread). All arguments are validated before any launch:
+// a call with bad arguments launches nothing. No entry point allocates or synchronises with the host, so
+// every call can be captured in a CUDA graph; split-KV scratch space comes from the caller.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+
+#include "kdev/verify_attn.cuh"
+
+namespace {
+
+thread_local char g_last_error[512] = "";
+
+int fail(int status, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_last_error, sizeof(g_last_error), fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+int cuda_fail(cudaError_t err, const char* what) {
+  return fail(KDTREE_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+bool aligned(const void* ptr, size_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; }
+
+bool is_device_pointer(const void* ptr) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error this query may leave
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+// Shared by every verify kernel: shapes, limits, pointers, alignment.
+int validate(const VerifyAttnParams* p) {
+  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
+  if (p->struct_size != sizeof(VerifyAttnParams))
+    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu: the binding does not match this library",
+                p->struct_size, sizeof(VerifyAttnParams));
+  struct {
+    const void* ptr;
+    const char* name;
+    size_t align;
+  } ptrs[] = {{p->q, "q", 16},          {p->kv_cache, "kv_cache", 16}, {p->page_table, "page_table", 4},
+              {p->prefix_lens, "prefix_lens", 4}, {p->q_indptr, "q_indptr", 4}, {p->tree_mask, "tree_mask", 8},
+              {p->out, "out", 16},      {p->lse, "lse", 4}};
+  for (const auto& a : ptrs) {
+    if (a.ptr == nullptr) return fail(KDTREE_ERR_INVALID, "%s is NULL", a.name);
+    if (!aligned(a.ptr, a.align)) return fail(KDTREE_ERR_INVALID, "%s is not %zu-byte aligned", a.name, a.align);
+    if (!is_device_pointer(a.ptr)) return fail(KDTREE_ERR_INVALID, "%s is not device memory", a.name);
+  }
+  if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
+  if (p->num_heads < 1 || p->num_heads > KDTREE_MAX_HEADS)
+    return fail(KDTREE_ERR_INVALID, "num_heads %d outside 1..%d", p->num_heads, KDTREE_MAX_HEADS);
+  if (p->max_qlen < 1 || p->max_qlen > KDTREE_MAX_QLEN)
+    return fail(KDTREE_ERR_INVALID, "max_qlen %d outside 1..%d", p->max_qlen, KDTREE_MAX_QLEN);
+  if (p->total_q < p->batch || p->total_q < p->max_qlen || (long long)p->total_q > (long long)p->batch * p->max_qlen)
+    return fail(KDTREE_ERR_INVALID, "total_q %d inconsistent with batch %d and max_qlen %d", p->total_q, p->batch,
+                p->max_qlen);
+  if ((long long)p->total_q * p->num_heads > 0x7fffffffLL)
+    return fail(KDTREE_ERR_INVALID, "total_q * num_heads too large");
+  const int need_words = (p->max_qlen + 63) / 64;
+  if (p->mask_words < need_words)
+    return fail(KDTREE_ERR_INVALID, "mask_words %d < ceil(max_qlen / 64) = %d", p->mask_words, need_words);
+  if (p->page_size < 1 || p->page_size > 4096 || (p->page_size & (p->page_size - 1)) != 0)
+    return fail(KDTREE_ERR_INVALID, "page_size %d is not a power of two in 1..4096", p->page_size);
+  if (p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "num_pages %d < 1", p->num_pages);
+  if (p->max_kv_len < p->max_qlen)
+    return fail(KDTREE_ERR_INVALID, "max_kv_len %d < max_qlen %d", p->max_kv_len, p->max_qlen);
+  if (p->max_pages < 1 || (long long)p->max_pages * p->page_size < p->max_kv_len)
+    return fail(KDTREE_ERR_INVALID, "max_pages %d x page_size %d cannot hold max_kv_len %d", p->max_pages,
+                p->page_size, p->max_kv_len);
+  if ((long long)p->num_pages * p->page_size < p->max_kv_len)
+    return fail(KDTREE_ERR_INVALID, "num_pages %d x page_size %d cannot hold max_kv_len %d", p->num_pages,
+                p->page_size, p->max_kv_len);
+  if (!(p->scale > 0.f) || !std::isfinite(p->scale))
+    return fail(KDTREE_ERR_INVALID, "scale %g must be finite and > 0", (double)p->scale);
+  return KDTREE_OK;
+}
+
+int current_sm_count(int* sm_count) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
+  err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaDeviceGetAttribute");
+  return KDTREE_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int kdtree_abi_version(void) { return 1; }
+
+size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
+
+int kdtree_max_qlen(void) { return KDTREE_MAX_QLEN; }
+
+const char* kdtree_last_error(void) { return g_last_error; }
+
+int kdtree_verify_attn(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (int st = validate(p)) return st;
+  cudaError_t err = kdtree::launch_verify_attn_naive(*p, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "verify_attn_naive launch");
+  return KDTREE_OK;
+}
+
+int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes) {
+  g_last_error[0] = '\0';
+  if (bytes == nullptr) return fail(KDTREE_ERR_INVALID, "bytes is NULL");
+  if (int st = validate(p)) return st;
+  int sm_count = 0;
+  if (int st = current_sm_count(&sm_count)) return st;
+  *bytes = kdtree::plan_verify_attn_flash(*p, sm_count).workspace_bytes;
+  return KDTREE_OK;
+}
+
+// Split count the flash kernel will use for these shapes (exposed for reports and benchmarks).
+int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) {
+  g_last_error[0] = '\0';
+  if (num_splits == nullptr) return fail(KDTREE_ERR_INVALID, "num_splits is NULL");
+  if (int st = validate(p)) return st;
+  int sm_count = 0;
+  if (int st = current_sm_count(&sm_count)) return st;
+  *num_splits = kdtree::plan_verify_attn_flash(*p, sm_count).num_splits;
+  return KDTREE_OK;
+}
+
+int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (int st = validate(p)) return st;
+  int sm_count = 0;
+  if (int st = current_sm_count(&sm_count)) return st;
+  const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(*p, sm_count);
+  if (plan.workspace_bytes > 0) {
+    if (p->workspace == nullptr)
+      return fail(KDTREE_ERR_WORKSPACE, "workspace is NULL but %zu bytes are needed (%d KV splits)",
+                  plan.workspace_bytes, plan.num_splits);
+    if (p->workspace_bytes < plan.workspace_bytes)
+      return fail(KDTREE_ERR_WORKSPACE, "workspace_bytes %zu < %zu needed (%d KV splits)", p->workspace_bytes,
+                  plan.workspace_bytes, plan.num_splits);
+    if (!aligned(p->workspace, 16)) return fail(KDTREE_ERR_INVALID, "workspace is not 16-byte aligned");
+    if (!is_device_pointer(p->workspace)) return fail(KDTREE_ERR_INVALID, "workspace is not device memory");
+  }
+  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "verify_attn_flash launch");
+  return KDTREE_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,378 @@
+// Flash tree-verify attention for absorbed MLA (tensor cores, heads x nodes packed, split-KV, paged KV).
+//
+// Computes exactly what the naive oracle computes (verify_attn.cu): for every tree node i of request b
+// and head h, softmax(scale * q . k) over the prefix and node i's ancestors-or-self, times V = K[:, :512],
+// plus the natural-log LSE.
+//
+// How:
+// * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
+//   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (99,072 B of dynamic shared memory: fits
+//   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
+//   half c = w/4).
+// * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over dims [288c, 288c+288) with Q held
+//   in registers (72 per thread, loaded once) and K read by ldmatrix; the two half-sums meet in shared
+//   memory. Splitting by dims rather than tokens keeps Q at 72 registers instead of 144.
+// * Softmax: all 256 threads, 4 per row (8 tokens each), fp32, exp2 with log2(e) folded into the scale.
+//   Tiles entirely inside the prefix skip the mask; the others read the node's bitmask row. P is rounded
+//   to bf16 into shared memory; the row sum adds the rounded values so normalisation matches P.V.
+// * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and value columns [256c, 256c+256): 128 fp32
+//   accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512 dims).
+// * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
+//   into a double buffer: tile i+1 loads while tile i computes.
+// * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
+//   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
+//   combine kernel merges them weighted by exp(lse_s - lse). The split count depends only on the shapes,
+//   and every reduction runs in a fixed order: the same inputs give the same bits on every run.
+// mma.sync m16n8k16 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kdev/verify_attn.cuh"
+
+namespace kdtree {
+namespace {
+
+constexpr int kBlockM = 64;                    // rows (node x head) per CTA
+constexpr int kBlockN = 32;                    // KV tokens per tile
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kKvStride = KDTREE_QK_DIM + 8;  // 584 bf16 = 1168 B: rows land 4 banks apart (ldmatrix conflict-free)
+constexpr int kPStride = kBlockN + 8;          // 40 bf16 = 80 B
+constexpr int kSStride = kBlockN + 4;          // fp32 partial scores, padded
+constexpr int kDimHalf = KDTREE_QK_DIM / 2;    // 288 dims per S warp
+constexpr int kKSteps = kDimHalf / 16;         // 18 k-steps of 16
+constexpr int kVHalf = KDTREE_V_DIM / 2;       // 256 value columns per PV warp
+constexpr int kVTiles = kVHalf / 8;            // 32 n-tiles of 8
+constexpr int kChunksPerRow = KDTREE_QK_DIM / 8;  // 72 x 16-byte chunks per KV row
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct __align__(16) SharedStorage {
+  __nv_bfloat16 kv[2][kBlockN][kKvStride];  // 74,752 B: double-buffered KV tile
+  float s_part[2][kBlockM][kSStride];       // 18,432 B: half-dim partial scores
+  __nv_bfloat16 p[kBlockM][kPStride];       //  5,120 B: probabilities (bf16)
+  float alpha[kBlockM];                     // per-row rescale of O for this tile
+  float row_l[kBlockM];
+  float row_m[kBlockM];
+};
+
+// sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
+static_assert(sizeof(SharedStorage) <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+// D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* ptr, bool valid) {
+  return valid ? *reinterpret_cast<const uint32_t*>(ptr) : 0u;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAttnParams p, int num_splits) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int H = p.num_heads;
+  const int q0 = p.q_indptr[b];
+  const int T = p.q_indptr[b + 1] - q0;
+  const int R = T * H;
+  const int row0 = m_tile * kBlockM;
+  if (row0 >= R) return;  // this request has fewer row tiles than the largest one
+  const int L = p.prefix_lens[b];
+  const int kv_len = L + T;
+  int chunk = (kv_len + num_splits - 1) / num_splits;
+  chunk = (chunk + kBlockN - 1) / kBlockN * kBlockN;
+  const int kv_begin = min(kv_len, split * chunk);
+  const int kv_end = min(kv_len, kv_begin + chunk);
+  const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = warp % 4, c = warp / 4;    // row group, dim/column half
+  const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates
+
+  const __nv_bfloat16* kv = static_cast<const __nv_bfloat16*>(p.kv_cache);
+  const int32_t* page_row = p.page_table + (size_t)b * p.max_pages;
+  const int page_shift = __ffs(p.page_size) - 1;  // page sizes are powers of two (checked in capi.cu)
+  const int page_mask = p.page_size - 1;
+
+  auto load_tile = [&](int buf, int start) {
+    for (int i = tid; i < kBlockN * kChunksPerRow; i += kThreads) {
+      const int r = i / kChunksPerRow, ch = i % kChunksPerRow;
+      const int pos = start + r;
+      const bool ok = pos < kv_end;
+      const __nv_bfloat16* src = kv;  // any valid address; zero bytes are read when !ok
+      if (ok) {
+        const int page = page_row[pos >> page_shift];
+        src = kv + (((size_t)page << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM + ch * 8;
+      }
+      cp_async_16(&sm.kv[buf][r][ch * 8], src, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  if (num_tiles > 0) load_tile(0, kv_begin);
+
+  // Q fragments for rows 16g + gid (+8), dims [288c, 288c + 288): loaded once, kept in registers.
+  uint32_t qf[kKSteps][4];
+  {
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + (size_t)q0 * H * KDTREE_QK_DIM;
+    const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
+    const __nv_bfloat16* q_lo = qb + (size_t)r_lo * KDTREE_QK_DIM + c * kDimHalf + tig * 2;
+    const __nv_bfloat16* q_hi = qb + (size_t)r_hi * KDTREE_QK_DIM + c * kDimHalf + tig * 2;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      qf[ks][0] = load_pair(q_lo + ks * 16, r_lo < R);
+      qf[ks][1] = load_pair(q_hi + ks * 16, r_hi < R);
+      qf[ks][2] = load_pair(q_lo + ks * 16 + 8, r_lo < R);
+      qf[ks][3] = load_pair(q_hi + ks * 16 + 8, r_hi < R);
+    }
+  }
+
+  float o[kVTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+
+  // Softmax role: thread -> (row sr, tokens 8*sq .. 8*sq+7). Its running max and sum live in registers.
+  const int sr = tid / 4, sq = tid % 4;
+  const bool s_row_valid = row0 + sr < R;
+  const float scale_log2 = p.scale * kLog2e;
+  float m_run = -INFINITY, l_run = 0.f;
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int buf = it & 1;
+    const int start = kv_begin + it * kBlockN;
+    cp_async_wait_all();
+    __syncthreads();  // tile `it` landed; everyone is done with the previous tile's buffers
+    if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
+
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, 16 tokens at a time (fewer live registers)
+    {
+      const int mi = lane / 8;
+      const int dim = c * kDimHalf + (mi % 2) * 8;
+#pragma unroll 1
+      for (int tn = 0; tn < kBlockN; tn += 16) {
+        float sacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const __nv_bfloat16* krow = &sm.kv[buf][tn + (mi / 2) * 8 + lane % 8][dim];
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, krow + ks * 16);
+          mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
+          mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int col = tn + nt * 8 + tig * 2;
+          *reinterpret_cast<float2*>(&sm.s_part[c][g * 16 + gid][col]) = make_float2(sacc[nt][0], sacc[nt][1]);
+          *reinterpret_cast<float2*>(&sm.s_part[c][g * 16 + gid + 8][col]) = make_float2(sacc[nt][2], sacc[nt][3]);
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- online softmax over the tile's 32 tokens, 4 threads per row
+    {
+      float s[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] = (sm.s_part[0][sr][sq * 8 + j] + sm.s_part[1][sr][sq * 8 + j]) * scale_log2;
+      if (!s_row_valid) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[j] = -INFINITY;
+      } else if (start + kBlockN > L || start + kBlockN > kv_end) {  // tile reaches the tree or the range end
+        // Computed here, not kept across the loop: registers are the scarce resource in this kernel.
+        const uint64_t* mask_row = p.tree_mask + (size_t)(q0 + (row0 + sr) / H) * p.mask_words;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int pos = start + sq * 8 + j;
+          if (pos >= kv_end) {
+            s[j] = -INFINITY;
+          } else if (pos >= L) {
+            const int node = pos - L;
+            if (!((mask_row[node / 64] >> (node % 64)) & 1ull)) s[j] = -INFINITY;
+          }
+        }
+      }
+      float mx = s[0];
+#pragma unroll
+      for (int j = 1; j < 8; ++j) mx = fmaxf(mx, s[j]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      float alpha = 1.f, sum = 0.f;
+      uint32_t pw[4] = {0u, 0u, 0u, 0u};  // 8 bf16 probabilities, packed in pairs
+      if (m_new != -INFINITY) {            // else nothing attended yet in this row: zeros, and no inf - inf
+        alpha = exp2f(m_run - m_new);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(exp2f(s[2 * j] - m_new), exp2f(s[2 * j + 1] - m_new));
+          sum += __low2float(pair) + __high2float(pair);
+          pw[j] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      *reinterpret_cast<uint4*>(&sm.p[sr][sq * 8]) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+      if (sq == 0) sm.alpha[sr] = alpha;
+    }
+    __syncthreads();
+
+    // ---- O[16 rows, 256 columns half c] = alpha * O + P[16, 32] . V[32, 256]
+    {
+      const float a_lo = sm.alpha[g * 16 + gid], a_hi = sm.alpha[g * 16 + gid + 8];
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt) {
+        o[nt][0] *= a_lo;
+        o[nt][1] *= a_lo;
+        o[nt][2] *= a_hi;
+        o[nt][3] *= a_hi;
+      }
+      const int mi = lane / 8;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t af[4];
+        ldmatrix_x4(af, &sm.p[g * 16 + (mi % 2) * 8 + lane % 8][kk * 16 + (mi / 2) * 8]);
+        const int tok = kk * 16 + (mi % 2) * 8 + lane % 8;
+#pragma unroll
+        for (int np = 0; np < kVTiles / 2; ++np) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, &sm.kv[buf][tok][c * kVHalf + np * 16 + (mi / 2) * 8]);
+          mma_bf16(o[2 * np], af, bf[0], bf[1]);
+          mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
+        }
+      }
+    }
+  }
+
+  if (sq == 0) {
+    sm.row_l[sr] = l_run;
+    sm.row_m[sr] = m_run;
+  }
+  __syncthreads();
+
+  // ---- epilogue: normalise; write bf16 out + lse, or this split's fp32 partial + lse
+  const size_t rows_total = (size_t)p.total_q * H;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rl = g * 16 + gid + half * 8;
+    const int r = row0 + rl;
+    if (r >= R) continue;
+    const float l = sm.row_l[rl];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (sm.row_m[rl] + log2f(l)) * kLn2 : -INFINITY;
+    const size_t grow = (size_t)q0 * H + r;
+    if (num_splits == 1) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * kVHalf + tig * 2;
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(out + nt * 8) =
+            __floats2bfloat162_rn(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
+      if (c == 0 && tig == 0) p.lse[grow] = lse;
+    } else {
+      float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
+                    c * kVHalf + tig * 2;
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt)
+        *reinterpret_cast<float2*>(ws_o + nt * 8) = make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
+      float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+      if (c == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
+    }
+  }
+}
+
+// Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s, splits in order.
+constexpr int kCombineThreads = 128;
+
+__global__ void __launch_bounds__(kCombineThreads) verify_attn_combine_kernel(VerifyAttnParams p, int num_splits) {
+  const size_t rows_total = (size_t)p.total_q * p.num_heads;
+  const size_t row = blockIdx.x;
+  const float* ws_o = static_cast<const float*>(p.workspace);
+  const float* ws_lse = ws_o + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+  float m = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, ws_lse[s * rows_total + row]);
+  float total = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float ls = ws_lse[s * rows_total + row];
+    total += ls == -INFINITY ? 0.f : expf(ls - m);
+  }
+  const float lse = m == -INFINITY ? -INFINITY : m + logf(total);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int col = threadIdx.x * 4;
+  for (int s = 0; s < num_splits; ++s) {
+    const float ls = ws_lse[s * rows_total + row];
+    if (ls == -INFINITY) continue;
+    const float w = expf(ls - lse);
+    const float4 v = *reinterpret_cast<const float4*>(ws_o + (s * rows_total + row) * KDTREE_V_DIM + col);
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
+  }
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * KDTREE_V_DIM + col;
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x, acc.y);
+  *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z, acc.w);
+  if (threadIdx.x == 0) p.lse[row] = lse;
+}
+
+}  // namespace
+
+FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
+  FlashPlan plan{};
+  plan.num_m_tiles = (p.max_qlen * p.num_heads + kBlockM - 1) / kBlockM;
+  const long base = (long)p.batch * plan.num_m_tiles;
+  int splits = 1;
+  if (base < sm_count) {
+    splits = (int)(sm_count / base);                      // fill about one wave (one CTA per SM)
+    const int by_len = (p.max_kv_len + 255) / 256;        // keep at least 256 tokens (8 tiles) per split
+    splits = splits < by_len ? splits : by_len;
+    splits = splits < 64 ? splits : 64;
+    splits = splits > 1 ? splits : 1;
+  }
+  plan.num_splits = splits;
+  plan.workspace_bytes =
+      splits > 1 ? (size_t)splits * p.total_q * p.num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
+  return plan;
+}
+
+cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  const int smem = (int)sizeof(SharedStorage);
+  cudaError_t err = cudaFuncSetAttribute(verify_attn_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
+  verify_attn_flash_kernel<<<grid, kThreads, smem, stream>>>(p, plan.num_splits);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || plan.num_splits == 1) return err;
+  verify_attn_combine_kernel<<<(unsigned)((size_t)p.total_q * p.num_heads), kCombineThreads, 0, stream>>>(
+      p, plan.num_splits);
+  return cudaGetLastError();
+}
+
+}  // namespace kdtree

@@ -1,0 +1,101 @@
+"""ABI argument checks that need no GPU: every bad tensor is refused before anything is called."""
+
+import ctypes
+import warnings
+
+import pytest
+import torch
+
+from kdev import abi
+from kdev import build as kbuild
+from kdev.config import load_suite
+from kdev.vectors import generate_case
+
+
+@pytest.fixture(scope="module")
+def case():
+    spec = load_suite("smoke").cases[3]
+    return generate_case(spec)
+
+
+def _inputs(case, **override):
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cpu")
+    for k, v in override.items():
+        setattr(x, k, v)
+    n_q, h, _ = x.q.shape
+    out = torch.empty(n_q, h, 512, dtype=torch.bfloat16)
+    lse = torch.empty(n_q, h, dtype=torch.float32)
+    return x, out, lse
+
+
+def test_good_inputs_pass(case):
+    x, out, lse = _inputs(case)
+    assert abi.check_inputs(x, out, lse) == (x.q.shape[0], 8, 1)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda x, o, l: setattr(x, "q", x.q.float()), "q: dtype torch.float32"),
+    (lambda x, o, l: setattr(x, "q", x.q[..., :512].contiguous()), "q: rows are 512 wide"),
+    (lambda x, o, l: setattr(x, "kv_cache", x.kv_cache.transpose(0, 1)), "kv_cache: not contiguous"),
+    (lambda x, o, l: setattr(x, "page_table", x.page_table.long()), "page_table: dtype"),
+    (lambda x, o, l: setattr(x, "q_indptr", x.q_indptr[:1]), "batch mismatch"),
+    (lambda x, o, l: setattr(x, "tree_mask", x.tree_mask[1:]), "tree_mask: "),
+    (lambda x, o, l: setattr(x, "q", torch.empty(x.q.numel() + 1, dtype=torch.bfloat16)[1:].view(x.q.shape)), "q: data pointer not 16-byte aligned"),
+    (lambda x, o, l: setattr(x, "prefix_lens", x.prefix_lens.to("meta")), "prefix_lens: on meta"),
+])
+def test_bad_inputs_refused(case, mutate, message):
+    x, out, lse = _inputs(case)
+    mutate(x, out, lse)
+    with pytest.raises(abi.AbiArgumentError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        abi.check_inputs(x, out, lse)
+
+
+def test_bad_outputs_refused(case):
+    x, out, lse = _inputs(case)
+    with pytest.raises(abi.AbiArgumentError, match="out: shape"):
+        abi.check_inputs(x, out[:, :4].contiguous(), lse)
+    with pytest.raises(abi.AbiArgumentError, match="lse: dtype"):
+        abi.check_inputs(x, out, lse.double())
+
+
+def test_params_struct_matches_library_and_cpu_tensors_refused(case, tmp_path):
+    try:
+        kbuild.find_nvcc()
+    except Exception:
+        pytest.skip("nvcc not found")
+    from kdev import config
+
+    c = config.load_build(None, ["sm_90"])
+    cfg = config.BuildConfig(c.archs, c.flags, tmp_path / "build", False, c.smem_limit_bytes, c.path)
+    res = kbuild.build(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # built from the current sources: no stale warning
+        lib = abi.Library(res.library)
+    assert lib.lib.kdtree_params_size() == ctypes.sizeof(abi.VerifyAttnParams) and lib.max_qlen == 1025
+    x, out, lse = _inputs(case)
+    with pytest.raises(abi.AbiArgumentError, match="q: must be a CUDA tensor"):
+        lib.params(x, out, lse)
+    with pytest.raises(abi.AbiArgumentError, match="unknown verify kernel"):
+        lib.call("fastest", abi.VerifyAttnParams())
+
+
+def test_stale_library_warns(monkeypatch, tmp_path):
+    try:
+        kbuild.find_nvcc()
+    except Exception:
+        pytest.skip("nvcc not found")
+    from kdev import config
+
+    c = config.load_build(None, ["sm_90"])
+    cfg = config.BuildConfig(c.archs, c.flags, tmp_path / "build", False, c.smem_limit_bytes, c.path)
+    res = kbuild.build(cfg)
+    monkeypatch.setattr(kbuild, "source_hash", lambda *a: "f" * 64)
+    with pytest.warns(abi.StaleLibraryWarning, match="run 'kdev build'"):
+        abi.Library(res.library)
+
+
+def test_missing_library_is_environment_error(tmp_path):
+    from kdev.errors import EnvironmentMissing
+
+    with pytest.raises(EnvironmentMissing, match="not built"):
+        abi.Library(tmp_path / "nope.so")

@@ -1,0 +1,136 @@
+"""kdev build without a GPU: both archs, the resource report, provenance, cache hit and rebuild, errors."""
+
+import ctypes
+import json
+import shutil
+
+import pytest
+
+from kdev import build as kbuild
+from kdev import config
+from kdev.errors import CheckFailed, EnvironmentMissing
+
+try:
+    kbuild.find_nvcc()
+    HAVE_NVCC = True
+except EnvironmentMissing:
+    HAVE_NVCC = False
+needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
+
+
+def _cfg(tmp_path, archs):
+    c = config.load_build(None, archs)
+    return config.BuildConfig(archs=c.archs, flags=c.flags, output_dir=tmp_path / "build", allow_spills=False,
+                              smem_limit_bytes=c.smem_limit_bytes, path=c.path)
+
+
+@pytest.fixture(scope="module")
+def both_archs(tmp_path_factory):
+    if not HAVE_NVCC:
+        pytest.skip("nvcc not found")
+    tmp = tmp_path_factory.mktemp("b")
+    cfg = _cfg(tmp, ["sm_90", "sm_120"])
+    return cfg, kbuild.build(cfg)
+
+
+@needs_nvcc
+def test_builds_both_archs_with_clean_resource_report(both_archs):
+    cfg, res = both_archs
+    assert not res.cached and res.problems == [] and res.library.is_file()
+    kernels = {r["kernel"] for r in res.resources}
+    assert {"verify_attn_naive_kernel", "verify_attn_flash_kernel", "verify_attn_combine_kernel"} <= kernels
+    for k in kernels:
+        assert {r["arch"] for r in res.resources if r["kernel"] == k} == {"sm_90", "sm_120"}
+    for r in res.resources:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["registers"] > 0
+    if res.embedded["sass"] is not None:
+        assert res.embedded["sass"] == ["sm_90", "sm_120"] and res.embedded["ptx"] == ["sm_120"]
+    latest = json.loads((cfg.output_dir / "latest.json").read_text())
+    assert latest["library"] == str(res.library)
+
+
+@needs_nvcc
+def test_build_info_embedded_in_library(both_archs):
+    _, res = both_archs
+    lib = ctypes.CDLL(str(res.library))
+    lib.kdtree_build_info.restype = ctypes.c_char_p
+    info = json.loads(lib.kdtree_build_info())
+    assert info["source_hash"] == kbuild.source_hash()
+    assert info["archs"] == ["sm_90", "sm_120"] and "-O3" in info["flags"]
+    assert info["nvcc_version"] == kbuild.nvcc_version(kbuild.find_nvcc())
+    assert "git_sha" in info and "git_dirty" in info
+    lib.kdtree_max_qlen.restype = ctypes.c_int
+    assert lib.kdtree_max_qlen() == 1025
+
+
+@needs_nvcc
+def test_cache_hit_then_rebuild_on_source_change(tmp_path):
+    kdir = tmp_path / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, kdir)
+    cfg = _cfg(tmp_path, ["sm_90"])
+    first = kbuild.build(cfg, kernel_dir=kdir)
+    again = kbuild.build(cfg, kernel_dir=kdir)
+    assert not first.cached and again.cached and again.key == first.key
+    src = kdir / "verify_attn.cu"
+    src.write_text(src.read_text() + "\n// touched\n")
+    third = kbuild.build(cfg, kernel_dir=kdir)
+    assert not third.cached and third.key != first.key
+
+
+@needs_nvcc
+def test_compiler_error_names_file_and_line(tmp_path):
+    kdir = tmp_path / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, kdir)
+    src = kdir / "verify_attn.cu"
+    lines = src.read_text().splitlines()
+    lines.insert(20, "this is not C++;")
+    src.write_text("\n".join(lines))
+    with pytest.raises(CheckFailed, match=r"verify_attn\.cu:21: error"):
+        kbuild.build(_cfg(tmp_path, ["sm_90"]), kernel_dir=kdir)
+
+
+def test_missing_nvcc_is_environment_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("NVCC", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(kbuild, "CUDA_HOMES", [str(tmp_path)])
+    with pytest.raises(EnvironmentMissing, match="nvcc not found"):
+        kbuild.find_nvcc()
+
+
+PTXAS = """
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90'
+ptxas info    : Function properties for _Z3fooPf
+    24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 24 bytes cumulative stack size, 120000 bytes smem
+ptxas info    : Compiling entry function '_Z3barv' for 'sm_120'
+ptxas info    : Function properties for _Z3barv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers
+"""
+
+
+def test_ptxas_report_and_gate():
+    rows = kbuild.parse_ptxas(PTXAS)
+    assert [(r.kernel, r.arch, r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.smem) for r in rows] == [
+        ("_Z3fooPf", "sm_90", 255, 8, 12, 24, 120000), ("_Z3barv", "sm_120", 40, 0, 0, 0, 0)]
+    cfg = config.load_build()
+    problems = kbuild.resource_problems(rows, cfg)
+    assert len(problems) == 1 and "spills 8 B" in problems[0]
+    rows[1].smem = 200000  # beyond sm_120's 101,376 B
+    assert any("sm_120" in p and "limit" in p for p in kbuild.resource_problems(rows, cfg))
+    lenient = config.BuildConfig(cfg.archs, cfg.flags, cfg.output_dir, True, cfg.smem_limit_bytes, cfg.path)
+    assert len(kbuild.resource_problems(rows, lenient)) == 1
+
+
+def test_gencode_embeds_ptx_for_newest_only():
+    assert kbuild.gencode_flags(("sm_90", "sm_120")) == [
+        "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_120,code=[sm_120,compute_120]"]
+
+
+def test_bad_arch_override():
+    from kdev.errors import BadInput
+
+    with pytest.raises(BadInput, match="--arch: 'ampere'"):
+        config.load_build(None, ["ampere"])
