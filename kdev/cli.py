@@ -160,5 +160,200 @@ def build_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
+# ----------------------------------------------------------------------------------------------- verify
+def _kernel_list(value: str, allowed) -> list[str]:
+    names = [k.strip() for k in value.split(",") if k.strip()]
+    bad = [k for k in names if k not in allowed]
+    if bad or not names:
+        raise typer.BadParameter(f"unknown kernel {bad[0] if bad else value!r} (have {', '.join(allowed)})",
+                                 param_hint="--kernel")
+    return list(dict.fromkeys(names))
+
+
+def _write_json_file(path: Optional[Path], doc: dict) -> None:
+    if path:
+        import json
+
+        from kdev.fsutil import atomic_write_bytes
+
+        atomic_write_bytes(path, json.dumps(report._jsonable(doc), indent=2, allow_nan=False).encode())
+
+
+@app.command("verify")
+@command
+def verify_cmd(
+    suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
+    kernel: str = typer.Option("naive,flash", "--kernel", help="Comma-separated verify kernels to run."),
+    case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
+    fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Fuzz seed (printed on every run; replays a failure)."),
+    max_prefix: int = typer.Option(32768, "--max-prefix", min=0, help="Fuzz: largest prefix length."),
+    max_nodes: Optional[int] = typer.Option(None, "--max-nodes", min=1, help="Fuzz: largest tree (default: kernel max)."),
+    allow_stale: bool = typer.Option(False, "--allow-stale", help="Run vectors made by older reference sources."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
+    json_out: bool = JsonOpt,
+):
+    """Compare the verify kernels with golden vectors (or fuzz cases): elementwise, token-exact, repeatable."""
+    import secrets
+
+    from kdev import abi, gpu, verify
+
+    kernels = _kernel_list(kernel, abi.VERIFY_KERNELS)
+    gpu.require_cuda("kdev verify")
+    if fuzz:
+        seed = seed if seed is not None else secrets.randbits(31)
+        report.info(f"fuzz: {fuzz} cases, seed {seed} (replay with --fuzz {fuzz} --seed {seed})")
+        with report.progress("fuzz", fuzz) as advance:
+            run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance)
+    else:
+        from kdev import vectors
+
+        n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
+        with report.progress(f"verify {suite}", n) as advance:
+            run = verify.run_suite(suite, kernels, repeat, case, allow_stale, library, report.info, report.warn, advance)
+    doc = {**run.record, "results": [r.to_dict() for r in run.results], "ledger": str(run.ledger_path),
+           "saved_failures": run.saved_failures}
+    _write_json_file(out_json, doc)
+    if json_out:
+        report.emit_json(doc)
+    else:
+        rows = []
+        for r in run.results:
+            vs = "" if r.against == "golden" else f" vs {r.against}"
+            if r.error:
+                rows.append([r.case, r.kernel + vs, "-", "-", "-", "-", "[red]ERROR[/]"])
+                continue
+            rows.append([r.case, r.kernel + vs, report.fmt_float(r.out.max_abs), f"{r.out.cos_diff:.1e}",
+                         report.fmt_float(r.lse.max_abs), r.token.label(),
+                         "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
+        title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
+        report.show(report.table(title, ["case", "kernel", "max |err| out", "cos diff", "max |err| lse",
+                                         "token-exact", "verdict"], rows, {"left": ("case", "kernel")}))
+        for f in run.record["failures"]:
+            report.error(f"{f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}")
+        for path in run.saved_failures:
+            report.info(f"failing case kept as a regression vector: {path}")
+        per = run.record["kernels"]
+        summary = ", ".join(f"{k}: {v['checks'] - v['failed']}/{v['checks']} passed" for k, v in per.items())
+        verdict = "[green]PASS[/]" if run.passed else "[red]FAIL[/]"
+        seed_note = f" (seed {run.fuzz_seed})" if run.fuzz_seed is not None else ""
+        report.show(f"{verdict} {summary}{seed_note}; ledger {run.ledger_path}")
+    if not run.passed:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+# ------------------------------------------------------------------------------------------------ bench
+@app.command("bench")
+@command
+def bench_cmd(
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default smoke)."),
+    shape: Optional[list[str]] = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,H=8 (repeatable)."),
+    axis: Optional[list[str]] = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml)."),
+    peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
+    ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW."),
+    from_file: Optional[Path] = typer.Option(None, "--from", help="Report a stored result instead of measuring."),
+    csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the results as CSV."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
+    plot_metric: str = typer.Option("time", "--plot-metric", help="time or roofline."),
+    out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
+    seed: int = typer.Option(0, "--seed", help="Input seed."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    json_out: bool = JsonOpt,
+):
+    """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings."""
+    from kdev import bench
+
+    if plot_metric not in ("time", "roofline"):
+        raise typer.BadParameter("must be time or roofline", param_hint="--plot-metric")
+    cfg = bench.load_bench(config)
+    if from_file:
+        doc = bench.load_results(from_file)
+    else:
+        from kdev import gpu, verify
+
+        gpu.require_cuda("kdev bench")
+        peers = {}
+        for spec in peer or []:
+            peers[spec] = bench.load_peer(spec)
+        backends = [b.strip() for b in (backend.split(",") if backend else cfg.backends) if b.strip()] + list(peers)
+        bad = [b for b in backends if b not in ("flash", "naive", "torch-eager", "torch-sdpa") and b not in peers]
+        if bad:
+            raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
+        lib = verify._load_library(library, report.info)
+        if ceilings:
+            import torch
+
+            ident = gpu.current_gpu().to_dict()
+            c = bench.measure_ceilings(lib, torch.device("cuda", torch.cuda.current_device()))
+            from kdev.fsutil import atomic_write_bytes
+            import json as _json
+
+            path = bench.ceilings_path(ident)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, _json.dumps({**c, "gpu": ident}, indent=2).encode())
+            report.info(f"ceilings on {ident['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
+                        f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
+            if not sweep and not shape:
+                if json_out:
+                    report.emit_json({"ceilings": c, "gpu": ident})
+                return
+        shapes = bench.expand(cfg, sweep, shape, axis)
+        with report.progress(f"bench {sweep or ('shape' if shape else 'smoke')}", len(shapes) * len(backends)) as adv:
+            results, prov = bench.run_bench(shapes, backends, cfg, lib, peers, seed, adv, report.info)
+        doc = {"provenance": prov, "sweep": sweep or ("shape" if shape else "smoke"),
+               "results": [dict(r.__dict__) for r in results]}
+    results = doc["results"]
+    verdicts = bench.baseline_verdicts(results, bench.load_results(baseline)["results"]) if baseline else None
+    if verdicts is not None:
+        doc["baseline"] = {"file": str(baseline), "verdicts": verdicts}
+    _write_json_file(out_json, doc)
+    if csv_out:
+        bench.write_csv(csv_out, results)
+    if plot_out:
+        bench.plot(plot_out, results, plot_metric)
+    if json_out:
+        report.emit_json(doc)
+    else:
+        sp = bench.speedups(results)
+        vmap = {(v["shape"], v["backend"]): v for v in verdicts or []}
+        rows = []
+        for r in results:
+            t = r["timing"]
+            v = vmap.get((r["shape"], r["backend"]))
+            row = [r["shape"], r["backend"]]
+            if t:
+                pct = f"{100 * r['floor_us'] / t['median_us']:.1f}%" if r["floor_us"] else "-"
+                x = sp.get((r["shape"], r["backend"]))
+                row += [f"{t['median_us']:.1f}", f"{t['p10_us']:.1f}-{t['p90_us']:.1f}", f"{t['samples']} {t['stop']}",
+                        f"{r['floor_us']:.1f}" if r["floor_us"] else "-", pct, f"{x:.2f}x" if x else "-", "ok"]
+            else:
+                row += ["-", "-", "-", f"{r['floor_us']:.1f}" if r["floor_us"] else "-", "-", "-",
+                        "[red]not ranked[/]"]
+            if verdicts is not None:
+                row.append({"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME") if v else "-")
+            rows.append(row)
+        cols = ["shape", "backend", "median µs", "p10-p90", "n stop", "floor µs", "% floor", "t/t(flash)", "check"]
+        if verdicts is not None:
+            cols.append("vs baseline")
+        prov = doc["provenance"]
+        ceil = prov.get("ceilings")
+        ceil_s = (f"{ceil['flops'] / 1e12:.0f} TFLOP/s, {ceil['bytes_per_s'] / 1e9:.0f} GB/s" if ceil else "unknown ceilings")
+        report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s})", cols, rows,
+                                 {"left": ("shape", "backend")}))
+        for r in results:
+            if not r["agrees"]:
+                report.error(f"{r['shape']} / {r['backend']}: {r['check']}")
+    if verdicts and any(v["verdict"] == "SLOW" for v in verdicts):
+        slow = [v for v in verdicts if v["verdict"] == "SLOW"]
+        report.error(f"{len(slow)} regression(s) against {baseline}: " + ", ".join(
+            f"{v['shape']}/{v['backend']} {100 * v['change']:+.1f}%" for v in slow[:5]))
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
 def main():
     app()

@@ -225,6 +225,22 @@ def write_suite(suite: SuiteSpec, out_root: Path, force: bool = False, device: s
     return manifest
 
 
+def append_case(out_root: Path, suite_name: str, case: CaseData, description: str = "") -> Path:
+    """Add one case to a suite folder (created when missing): its file first, then the manifest, each
+    written atomically. Used to keep failing fuzz cases as regression vectors."""
+    folder = Path(out_root) / suite_name
+    folder.mkdir(parents=True, exist_ok=True)
+    data = case_bytes(case)
+    atomic_write_bytes(folder / f"{case.spec.name}.safetensors", data)
+    mpath = folder / MANIFEST
+    manifest = yaml.safe_load(mpath.read_text()) if mpath.is_file() else {
+        "schema_version": SCHEMA_VERSION, "suite": suite_name, "description": description,
+        "generator_hash": generator_hash(), "cases": []}
+    manifest["cases"] = [c for c in manifest["cases"] if c["name"] != case.spec.name] + [manifest_entry(case, data)]
+    atomic_write_bytes(mpath, yaml.safe_dump(manifest, sort_keys=False).encode())
+    return folder / f"{case.spec.name}.safetensors"
+
+
 # ------------------------------------------------------------------------------------------ loading
 @dataclass
 class Suite:

@@ -15,7 +15,8 @@
 //   memory. Splitting by dims rather than tokens keeps Q at 72 registers instead of 144.
 // * Softmax: all 256 threads, 4 per row (8 tokens each), fp32, exp2 with log2(e) folded into the scale.
 //   Tiles entirely inside the prefix skip the mask; the others read the node's bitmask row. P is rounded
-//   to bf16 into shared memory; the row sum adds the rounded values so normalisation matches P.V.
+//   to bf16 into shared memory for P.V; the row sum adds the unrounded fp32 values, so lse stays fp32-exact
+//   (summing the rounded values biased lse by up to ~1e-3 on peaked rows: measured, see NOTES.md).
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and value columns [256c, 256c+256): 128 fp32
 //   accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512 dims).
 // * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
@@ -231,8 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
         alpha = exp2f(m_run - m_new);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(exp2f(s[2 * j] - m_new), exp2f(s[2 * j + 1] - m_new));
-          sum += __low2float(pair) + __high2float(pair);
+          const float p0 = exp2f(s[2 * j] - m_new), p1 = exp2f(s[2 * j + 1] - m_new);
+          sum += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
           pw[j] = *reinterpret_cast<const uint32_t*>(&pair);
         }
       }

@@ -1,0 +1,638 @@
+"""kdev bench: timing method, DDTree sweeps, roofline, peers, baseline comparison.
+
+Three separate concerns (as in nvbench): the sweep (configs/bench.yaml -> shapes), the measurement
+(cold-L2 samples timed with CUDA events, stopped on a noise target or a time limit, throttled samples
+dropped), and the report (roofline against this GPU's ceilings, speedups, baseline verdicts).
+
+Shapes: batch B, prefix L, budget N (T = N + 1 tree rows from a DDTree built by the reference over
+synthetic drafter distributions), heads H, page size, tree kind. Inputs are random on the GPU (never zeros)
+and the page table is shuffled. FLOPs = 2·H·Σ_b T_b·(L_b+T_b)·(576+512); bytes >= Σ_b (L_b+T_b)·576·2 + q + out.
+
+Peers: torch-eager (float32 einsum with the mask) and torch-sdpa (scaled_dot_product_attention with a boolean
+mask) get the request's KV gathered into contiguous tensors before timing (the flash and naive kernels read
+the paged cache themselves). A `--peer module:function` is called as
+    fn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale) -> out  or  (out, lse)
+with the contract's tensors (DESIGN §2) and must return out [N_q, H, 512] (any float dtype).
+Every backend's output is checked against the naive oracle before it is timed; one that disagrees is
+reported and not ranked.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _Reader, load_yaml
+from kdev.errors import BadInput
+
+AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
+DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
+# Ceilings measured on this project's H200 (mma.sync bf16 -> fp32; device-to-device copy, read + write).
+KNOWN_CEILINGS = {"NVIDIA H200": {"flops": 638e12, "bytes_per_s": 3984e9, "source": "measured 2026-12-02"}}
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    prefix: int
+    budget: int
+    heads: int
+    page_size: int = 64
+    tree: str = "ddtree"
+
+    @property
+    def name(self) -> str:
+        t = "" if self.tree == "ddtree" else f"-{self.tree}"
+        return f"B{self.batch}-L{self.prefix}-N{self.budget}-H{self.heads}-p{self.page_size}{t}"
+
+    @property
+    def T(self) -> int:
+        return self.budget + 1
+
+
+def flops_bytes(tree_sizes: list[int], prefix_lens: list[int], heads: int) -> tuple[float, float]:
+    flops = sum(2.0 * heads * t * (L + t) * (QK_DIM + LATENT_DIM) for t, L in zip(tree_sizes, prefix_lens))
+    n_q = sum(tree_sizes)
+    kv = sum((L + t) * QK_DIM * 2 for t, L in zip(tree_sizes, prefix_lens))
+    return flops, kv + n_q * heads * QK_DIM * 2 + n_q * heads * LATENT_DIM * 2
+
+
+@dataclass(frozen=True)
+class Method:
+    warmup: int = 3
+    min_samples: int = 10
+    max_samples: int = 200
+    target_rel_spread: float = 0.005
+    max_seconds: float = 4.0
+    l2_flush_factor: int = 2
+    tolerance: Tolerance = Tolerance(atol=2e-2, rtol=4e-2, cos_diff=4e-5)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    method: Method
+    backends: tuple
+    sweeps: dict  # name -> (description, [Shape])
+
+
+def _shape(r: _Reader, base: dict) -> Shape:
+    vals = dict(base)
+    for k in AXES:
+        if k in r.data:
+            vals[k] = r.get(k, str if k == "tree" else int)
+    r.done()
+    return _make_shape(vals, f"{r.file}: {r.where}")
+
+
+def _make_shape(vals: dict, where: str) -> Shape:
+    s = Shape(**{k: vals[k] for k in AXES})
+    if s.batch < 1 or s.prefix < 0 or not 1 <= s.budget <= 1024 or not 1 <= s.heads <= 128:
+        raise BadInput(f"{where}: shape {s.name} out of range (batch>=1, prefix>=0, budget 1..1024, heads 1..128)")
+    if s.page_size not in (1, 64) or s.tree not in ("ddtree", "chain", "star", "random"):
+        raise BadInput(f"{where}: page_size must be 1 or 64 and tree one of ddtree/chain/star/random")
+    return s
+
+
+def _product(axes: dict) -> list[dict]:
+    keys = list(axes)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def load_bench(path: str | Path | None = None) -> BenchConfig:
+    path = Path(path) if path else CONFIG_DIR / "bench.yaml"
+    top = _Reader(load_yaml(path), path, "")
+    m = top.sub("method", {})
+    tol = m.sub("tolerance", {})
+    d = Method()
+    method = Method(
+        warmup=m.get("warmup", int, d.warmup), min_samples=m.positive_int("min_samples", d.min_samples),
+        max_samples=m.positive_int("max_samples", d.max_samples),
+        target_rel_spread=m.get("target_rel_spread", float, d.target_rel_spread),
+        max_seconds=m.get("max_seconds", float, d.max_seconds),
+        l2_flush_factor=m.positive_int("l2_flush_factor", d.l2_flush_factor),
+        tolerance=Tolerance(atol=tol.get("atol", float, d.tolerance.atol), rtol=tol.get("rtol", float, d.tolerance.rtol),
+                            cos_diff=tol.get("cos_diff", float, d.tolerance.cos_diff)))
+    tol.done()
+    m.done()
+    backends = tuple(top.get("backends", list, ["flash", "naive", "torch-eager", "torch-sdpa"]))
+    sw = top.sub("sweeps")
+    top.done()
+    sweeps = {}
+    for name in list(sw.data):
+        s = sw.sub(name)
+        desc = s.get("description", str, "")
+        shapes = []
+        if "axes" in s.data:
+            a = s.sub("axes")
+            axes = {k: a.get(k, list, check=lambda v: len(v) > 0, check_msg="a non-empty list") for k in list(a.data)}
+            unknown = set(axes) - set(AXES)
+            if unknown:
+                raise a.fail(sorted(unknown)[0], "unknown axis")
+            a.done()
+            shapes += [_make_shape({**DEFAULT_AXES, **combo}, f"{path}: sweeps.{name}") for combo in _product(axes)]
+        if "vary" in s.data:  # one axis at a time around a center shape
+            center = {**DEFAULT_AXES, **s.get("center", dict, {})}
+            v = s.sub("vary")
+            for axis in list(v.data):
+                if axis not in AXES:
+                    raise v.fail(axis, "unknown axis")
+                for value in v.get(axis, list):
+                    shapes.append(_make_shape({**center, axis: value}, f"{path}: sweeps.{name}.vary.{axis}"))
+            v.done()
+        for i, raw in enumerate(s.get("shapes", list, [])):
+            shapes.append(_shape(_Reader(raw, path, f"sweeps.{name}.shapes[{i}]"), DEFAULT_AXES))
+        s.done()
+        if not shapes:
+            raise BadInput(f"{path}: sweeps.{name}: needs axes or shapes")
+        sweeps[name] = (desc, list(dict.fromkeys(shapes)))
+    sw.done()
+    return BenchConfig(method, backends, sweeps)
+
+
+def parse_assignments(items: list[str], what: str) -> dict:
+    """['B=1', 'L=4096,8192'] -> {'batch': [1], 'prefix': [4096, 8192]} (short or long axis names)."""
+    alias = {"b": "batch", "l": "prefix", "n": "budget", "h": "heads", "page": "page_size", "p": "page_size"}
+    out = {}
+    for item in items:
+        for part in item.split(";") if ";" in item else [item]:
+            if "=" not in part:
+                raise BadInput(f"{what}: {part!r} is not AXIS=VALUES")
+            k, v = part.split("=", 1)
+            k = alias.get(k.strip().lower(), k.strip().lower())
+            if k not in AXES:
+                raise BadInput(f"{what}: unknown axis {k!r} (axes: {', '.join(AXES)})")
+            try:
+                out[k] = [x.strip() if k == "tree" else int(x) for x in v.split(",") if x.strip()]
+            except ValueError:
+                raise BadInput(f"{what}: {part!r}: values must be integers") from None
+    return out
+
+
+def expand(cfg: BenchConfig, sweep: str | None, shape: list[str] | None, overrides: list[str] | None) -> list[Shape]:
+    """The shapes to run: a named sweep (with -a AXIS=V1,V2 replacing that axis everywhere) or --shape."""
+    if shape:
+        base = []
+        for s in shape:
+            vals = parse_assignments([s.replace(",", ";") if s.count("=") > 1 else s], "--shape")
+            base.append({**DEFAULT_AXES, **{k: v[0] for k, v in vals.items()}})
+        rows = base
+    else:
+        name = sweep or "smoke"
+        if name not in cfg.sweeps:
+            raise BadInput(f"no sweep named {name!r} (have: {', '.join(cfg.sweeps)})")
+        rows = [asdict(s) for s in cfg.sweeps[name][1]]
+    ov = parse_assignments(overrides or [], "-a")
+    if ov:
+        rows = [{**r, **combo} for r in rows for combo in _product(ov)]
+    return list(dict.fromkeys(_make_shape(r, "shape") for r in rows))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def make_inputs(shape: Shape, seed: int, device):
+    """Random q and paged KV on the GPU (shuffled pages), DDTree / chain / star / random trees from the
+    reference. Returns (VerifyInputs, tree sizes, prefix lens)."""
+    import torch
+
+    from kdev import abi, ddtree, vectors
+    from kdev.config import CaseSpec, TreeSpec, load_model
+
+    rng = np.random.default_rng(seed)
+    if shape.tree == "ddtree":
+        ts = TreeSpec("ddtree", budget=shape.budget, depth=15, topk=shape.budget, vocab=32000)
+    else:
+        ts = TreeSpec(shape.tree, nodes=shape.T)
+    spec = CaseSpec("bench", (shape.prefix,) * shape.batch, ts, shape.heads, shape.page_size, seed, "kimi-k2.6",
+                    None)
+    trees, _ = vectors.make_trees(spec, rng)
+    sizes = [t.size for t in trees]
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_q = sum(sizes)
+    q = torch.randn(n_q, shape.heads, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    pages = [-(-(shape.prefix + t) // shape.page_size) for t in sizes]
+    num_pages = sum(pages)
+    kv = torch.randn(num_pages, shape.page_size, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    perm = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
+    page_table = torch.zeros(shape.batch, max(pages), dtype=torch.int32, device=device)
+    off = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = perm[off:off + n]
+        off += n
+    mask = torch.from_numpy(ddtree.batch_tree_mask(trees).view(np.int64)).to(device)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=device)
+    x = abi.VerifyInputs(q, kv, page_table, torch.tensor(spec.prefix_lens, dtype=torch.int32, device=device), indptr,
+                         mask, load_model("kimi-k2.6").softmax_scale, max_qlen=max(sizes),
+                         max_kv_len=max(shape.prefix + t for t in sizes))
+    return x, sizes, list(spec.prefix_lens)
+
+
+# -------------------------------------------------------------------------------------------- backends
+class Runner:
+    """prepare() has run; run() launches once on the current stream; out/lse hold the last outputs."""
+
+    out = None
+    lse = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class AbiRunner(Runner):
+    def __init__(self, lib, kernel: str, x):
+        self.lib, self.kernel = lib, kernel
+        self.out, self.lse = lib.alloc_outputs(x)
+        self.p = lib.params(x, self.out, self.lse)
+        self.ws = lib.alloc_workspace(kernel, self.p, x.q.device)
+        self.splits = lib.flash_splits(self.p) if kernel == "flash" else None
+
+    def run(self) -> None:
+        self.lib.call(self.kernel, self.p)
+
+
+def _gathered(x):
+    """Per request: contiguous K [S, 576] and the bool mask [T, S] (prefix all True, tree from the bits)."""
+    import torch
+
+    from kdev import mla
+
+    out = []
+    ind = x.q_indptr.tolist()
+    for b, L in enumerate(x.prefix_lens.tolist()):
+        T = ind[b + 1] - ind[b]
+        k = mla.gather_kv(x.kv_cache, x.page_table[b], L + T).contiguous()
+        m = torch.ones(T, L + T, dtype=torch.bool, device=k.device)
+        m[:, L:] = mla.unpack_tree_mask(x.tree_mask, slice(ind[b], ind[b + 1]), T)
+        out.append((ind[b], ind[b + 1], k, m))
+    return out
+
+
+class TorchEagerRunner(Runner):
+    """float32 einsum + masked softmax + einsum, one request at a time."""
+
+    def __init__(self, x):
+        import torch
+
+        self.x, self.parts = x, _gathered(x)
+        self.out = torch.empty(x.q.shape[0], x.q.shape[1], LATENT_DIM, dtype=torch.float32, device=x.q.device)
+        self.lse = torch.empty(x.q.shape[0], x.q.shape[1], dtype=torch.float32, device=x.q.device)
+
+    def run(self) -> None:
+        import torch
+
+        for r0, r1, k, m in self.parts:
+            kf = k.float()
+            s = torch.einsum("thd,sd->ths", self.x.q[r0:r1].float(), kf) * self.x.scale
+            s = s.masked_fill(~m[:, None, :], float("-inf"))
+            self.lse[r0:r1] = torch.logsumexp(s, -1)
+            self.out[r0:r1] = torch.einsum("ths,sc->thc", torch.softmax(s, -1), kf[:, :LATENT_DIM])
+
+
+class TorchSdpaRunner(Runner):
+    """scaled_dot_product_attention with a boolean mask; K/V expanded over heads (no copy)."""
+
+    def __init__(self, x):
+        import torch
+
+        self.x, self.parts = x, _gathered(x)
+        self.out = torch.empty(x.q.shape[0], x.q.shape[1], LATENT_DIM, dtype=torch.bfloat16, device=x.q.device)
+
+    def run(self) -> None:
+        import torch.nn.functional as F
+
+        H = self.x.q.shape[1]
+        for r0, r1, k, m in self.parts:
+            q = self.x.q[r0:r1].permute(1, 0, 2).unsqueeze(0)  # [1, H, T, 576]
+            kk = k[None, None].expand(1, H, -1, -1)
+            vv = k[None, None, :, :LATENT_DIM].expand(1, H, -1, -1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=m[None, None], scale=self.x.scale)
+            self.out[r0:r1] = o[0].permute(1, 0, 2)
+
+
+class PeerRunner(Runner):
+    def __init__(self, fn, x):
+        self.fn, self.x = fn, x
+
+    def run(self) -> None:
+        x = self.x
+        res = self.fn(x.q, x.kv_cache, x.page_table, x.prefix_lens, x.q_indptr, x.tree_mask, x.scale)
+        self.out, self.lse = (res if isinstance(res, tuple) else (res, None))
+
+
+def load_peer(spec: str):
+    if ":" not in spec:
+        raise BadInput(f"--peer {spec!r}: expected module:function")
+    mod, fn = spec.split(":", 1)
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise BadInput(f"--peer {spec}: cannot load: {e}") from None
+    if not callable(f):
+        raise BadInput(f"--peer {spec}: not callable")
+    return f
+
+
+def make_runner(name: str, x, lib, peers: dict) -> Runner:
+    if name in ("naive", "flash"):
+        return AbiRunner(lib, name, x)
+    if name == "torch-eager":
+        return TorchEagerRunner(x)
+    if name == "torch-sdpa":
+        return TorchSdpaRunner(x)
+    if name in peers:
+        return PeerRunner(peers[name], x)
+    raise BadInput(f"unknown backend {name!r}")
+
+
+# ----------------------------------------------------------------------------------------- measurement
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples: int
+    rel_sem: float  # standard error of the mean over the median
+    dropped_throttled: int
+    stop: str  # "spread", "time", "max-samples"
+    sm_clock_mhz: list = field(default_factory=list)  # [min, max] seen during samples
+
+
+def measure(run, method: Method, flush, nvml=None, handle=None) -> Timing:
+    """Cold-L2 samples timed with CUDA events around one call each."""
+    import torch
+
+    from kdev import gpu
+
+    t_start = time.time()
+    for _ in range(method.warmup):
+        run()
+    torch.cuda.synchronize()
+    samples, dropped, clocks = [], 0, []
+    stop = "max-samples"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while len(samples) < method.max_samples:
+        flush.add_(1)  # touches 2x L2 worth of bytes: nothing of the inputs survives in L2
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        if nvml is not None and handle is not None:
+            if gpu.throttle_reasons(nvml, handle):
+                dropped += 1
+                if dropped > 4 * method.max_samples:
+                    stop = "throttled"
+                    break
+                continue
+            c = gpu.sm_clock_mhz(nvml, handle)
+            if c:
+                clocks.append(c[0])
+        samples.append(ms * 1e3)
+        n = len(samples)
+        if n >= method.min_samples:
+            med = float(np.median(samples))
+            sem = float(np.std(samples, ddof=1) / math.sqrt(n))
+            if sem <= method.target_rel_spread * med:
+                stop = "spread"
+                break
+        if time.time() - t_start > method.max_seconds and n >= 3:
+            stop = "time"
+            break
+    a = np.array(samples) if samples else np.array([float("nan")])
+    med = float(np.median(a))
+    sem = float(np.std(a, ddof=1) / math.sqrt(len(a))) if len(a) > 1 else float("nan")
+    return Timing(med, float(np.percentile(a, 10)), float(np.percentile(a, 90)), len(samples),
+                  sem / med if med else float("nan"), dropped, stop, [min(clocks), max(clocks)] if clocks else [])
+
+
+# --------------------------------------------------------------------------------------------- ceilings
+def ceilings_path(gpu_id: dict) -> Path:
+    key = (gpu_id.get("uuid") or gpu_id["name"]).replace(" ", "_").replace("/", "_")
+    return REPO_ROOT / ".kdev" / "ceilings" / f"{key}.json"
+
+
+def load_ceilings(gpu_id: dict) -> dict | None:
+    p = ceilings_path(gpu_id)
+    if p.is_file():
+        return json.loads(p.read_text())
+    return KNOWN_CEILINGS.get(gpu_id["name"])
+
+
+def measure_ceilings(lib, device) -> dict:
+    """bf16 mma.sync m16n8k16 peak (the library's microbenchmark) and device-to-device copy bandwidth."""
+    import ctypes
+
+    import torch
+
+    L = lib.lib
+    L.kdtree_bench_mma_peak.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    L.kdtree_bench_mma_peak.restype = ctypes.c_int
+    chains = L.kdtree_bench_mma_chains()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sink = torch.zeros(256, device=device)
+    stream = torch.cuda.current_stream()
+    blocks, iters = sms * 8, 4096
+    best = 0.0
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        st = L.kdtree_bench_mma_peak(blocks, iters, ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
+        e.record()
+        e.synchronize()
+        if st != 0:
+            raise RuntimeError(f"kdtree_bench_mma_peak: status {st}")
+        flops = blocks * 8 * iters * chains * 4096.0
+        best = max(best, flops / (s.elapsed_time(e) / 1e3))
+    n = 1 << 30  # 2 GiB of bf16 each way
+    src = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    bw = 0.0
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        bw = max(bw, 2 * n * 2 / (s.elapsed_time(e) / 1e3))
+    return {"flops": best, "bytes_per_s": bw, "source": f"kdev bench --ceilings ({time.strftime('%Y-%m-%d')})"}
+
+
+# ----------------------------------------------------------------------------------------------- running
+@dataclass
+class Result:
+    shape: str
+    axes: dict
+    backend: str
+    flops: float
+    bytes: float
+    floor_us: float | None
+    bound: str  # "compute" or "memory"
+    agrees: bool
+    check: str
+    timing: dict | None
+    splits: int | None = None
+
+    @property
+    def median_us(self) -> float | None:
+        return self.timing["median_us"] if self.timing else None
+
+
+def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, peers: dict, seed: int,
+              progress=None, log=None) -> tuple[list[Result], dict]:
+    import torch
+
+    from kdev import gpu
+    from kdev.compare import compare
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 64 << 20) or (64 << 20)
+    flush = torch.zeros(cfg.method.l2_flush_factor * l2 // 4, dtype=torch.float32, device=device)
+    nvml = gpu.load_nvml()
+    handle = None
+    if nvml is not None:
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:
+            handle = None
+    ident = gpu.current_gpu(nvml).to_dict()
+    ceil = load_ceilings(ident)
+    results = []
+    for shape in shapes:
+        x, sizes, prefixes = make_inputs(shape, seed, device)
+        flops, nbytes = flops_bytes(sizes, prefixes, shape.heads)
+        floor = bound = None
+        if ceil:
+            tc, tm = flops / ceil["flops"], nbytes / ceil["bytes_per_s"]
+            floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
+        oracle = make_runner("naive", x, lib, peers)
+        oracle.run()
+        torch.cuda.synchronize()
+        for name in backends:
+            runner = make_runner(name, x, lib, peers) if name != "naive" else oracle
+            runner.run()
+            torch.cuda.synchronize()
+            c = compare("out", runner.out.float(), oracle.out.float(), cfg.method.tolerance)
+            ok = c.passed
+            reason = c.reason
+            if ok and runner.lse is not None:
+                cl = compare("lse", runner.lse, oracle.lse, Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8))
+                ok, reason = cl.passed, cl.reason
+            timing = measure(runner.run, cfg.method, flush, nvml, handle) if ok else None
+            results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", ok,
+                                  "ok" if ok else f"disagrees with naive: {reason}",
+                                  asdict(timing) if timing else None, getattr(runner, "splits", None)))
+            if progress:
+                progress(f"{shape.name} {name}")
+            del runner
+        del oracle, x
+        torch.cuda.empty_cache()
+    provenance = {"gpu": ident, "ceilings": ceil, "method": {k: v for k, v in asdict(cfg.method).items()},
+                  "build_info": lib.build_info, "library": str(lib.path), "seed": seed,
+                  "torch": torch.__version__, "l2_bytes": l2,
+                  "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return results, provenance
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def speedups(results: list[dict], reference: str = "flash") -> dict:
+    """(shape, backend) -> time(backend) / time(reference) for backends that agreed."""
+    by = {(r["shape"], r["backend"]): r for r in results}
+    out = {}
+    for (shape, backend), r in by.items():
+        ref = by.get((shape, reference))
+        if ref and ref["timing"] and r["timing"]:
+            out[(shape, backend)] = r["timing"]["median_us"] / ref["timing"]["median_us"]
+    return out
+
+
+def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float = 0.03, sigmas: float = 3.0):
+    """Per (shape, backend) present in both: FAST / SAME / SLOW. A change counts only when it exceeds both
+    min_rel and `sigmas` times the combined relative noise (standard errors of the two medians)."""
+    base = {(r["shape"], r["backend"]): r for r in baseline if r.get("timing")}
+    out = []
+    for r in current:
+        b = base.get((r["shape"], r["backend"]))
+        if not b or not r.get("timing"):
+            continue
+        new, old = r["timing"]["median_us"], b["timing"]["median_us"]
+        noise = math.sqrt((r["timing"].get("rel_sem") or 0) ** 2 + (b["timing"].get("rel_sem") or 0) ** 2)
+        thr = max(min_rel, sigmas * noise)
+        change = new / old - 1
+        verdict = "SLOW" if change > thr else "FAST" if change < -thr else "SAME"
+        out.append({"shape": r["shape"], "backend": r["backend"], "baseline_us": old, "current_us": new,
+                    "change": change, "threshold": thr, "verdict": verdict})
+    return out
+
+
+def load_results(path: Path) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: not a readable bench result: {e}") from None
+    if not isinstance(doc, dict) or "results" not in doc:
+        raise BadInput(f"{path}: not a kdev bench result (no 'results')")
+    return doc
+
+
+def write_csv(path: Path, results: list[dict]) -> None:
+    from kdev.fsutil import atomic_write_bytes
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["shape", *AXES, "backend", "median_us", "p10_us", "p90_us", "samples", "stop", "floor_us",
+                "pct_of_floor", "bound", "flops", "bytes", "agrees"])
+    for r in results:
+        t = r["timing"] or {}
+        med = t.get("median_us")
+        pct = 100 * r["floor_us"] / med if med and r["floor_us"] else ""
+        w.writerow([r["shape"], *(r["axes"][a] for a in AXES), r["backend"], med or "", t.get("p10_us", ""),
+                    t.get("p90_us", ""), t.get("samples", ""), t.get("stop", ""), r["floor_us"] or "", pct,
+                    r["bound"], r["flops"], r["bytes"], r["agrees"]])
+    atomic_write_bytes(Path(path), buf.getvalue().encode())
+
+
+def plot(path: Path, results: list[dict], metric: str = "time") -> None:
+    """Time (or % of the roofline floor) against prefix length, one line per backend and other axes."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from kdev.errors import EnvironmentMissing
+
+        raise EnvironmentMissing("--plot needs matplotlib (pip install 'kdev[plot]')") from None
+    groups = {}
+    for r in results:
+        if not r["timing"]:
+            continue
+        a = r["axes"]
+        key = (r["backend"], a["batch"], a["budget"], a["heads"], a["page_size"], a["tree"])
+        y = r["timing"]["median_us"] if metric == "time" else 100 * (r["floor_us"] or 0) / r["timing"]["median_us"]
+        groups.setdefault(key, []).append((a["prefix"], y))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for key, pts in sorted(groups.items()):
+        pts.sort()
+        label = f"{key[0]} B{key[1]} N{key[2]} H{key[3]}" + (f" p{key[4]}" if key[4] != 64 else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    if metric == "time":
+        ax.set_yscale("log")
+    ax.set_xlabel("prefix length L (tokens)")
+    ax.set_ylabel("median time (µs)" if metric == "time" else "% of roofline floor")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
+    plt.close(fig)

@@ -1,0 +1,385 @@
+"""kdev verify: run the verify kernels on golden vectors (or fresh fuzz cases), compare, keep a ledger.
+
+Per case and kernel: outputs poisoned with NaN, one launch on the current stream, status checked,
+synchronised; then out and lse are compared with the golden float64 reference (compare.py), and the
+token-exact check projects the latent outputs through a fixed, seeded per-head W_UV, an output projection
+and an LM head, takes the argmax at every tree node and runs the greedy accept walk (ddtree.py). A node
+whose reference top-2 logit margin is within the noise of bf16 outputs (TIE_SIGMAS standard deviations of
+one bf16 ulp per element, propagated through the projection) is a tie: reported, not failed. With --repeat N every kernel runs N times and must give the same bits. When several kernels run,
+each is also compared with the first (flash against naive).
+
+Each run appends one record to the ledger (.kdev/ledger/, one JSON file per record, written atomically
+under a unique name: safe against concurrent runs). deploy-check reads it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdev import abi, ddtree, vectors
+from kdev.compare import Comparison, compare
+from kdev.config import (DEFAULT_TOLERANCES, LATENT_DIM, REPO_ROOT, CaseSpec, Tolerance, Tolerances, TreeSpec)
+from kdev.fsutil import atomic_write_bytes
+
+LEDGER_SCHEMA = 1
+FUZZ_SUITE = "fuzz-failures"
+
+
+# ---------------------------------------------------------------------------------------- token-exact
+class TokenProjector:
+    """latent out [N, H, 512] -> logits [N, vocab]: per-head W_UV (128 x 512), an output projection
+    (H*128 -> hidden) and an LM head (hidden -> vocab), all fixed by one seed, in float64."""
+
+    def __init__(self, heads: int, vocab: int, device, seed: int = 20261202, hidden: int = 256):
+        g = torch.Generator().manual_seed(seed)
+        self.w_uv = (torch.randn(heads, 128, LATENT_DIM, generator=g, dtype=torch.float64) / LATENT_DIM**0.5).to(device)
+        self.w_o = (torch.randn(heads * 128, hidden, generator=g, dtype=torch.float64) / (heads * 128) ** 0.5).to(device)
+        self.lm = (torch.randn(hidden, vocab, generator=g, dtype=torch.float64) / hidden**0.5).to(device)
+
+    def logits(self, o_lat: torch.Tensor) -> torch.Tensor:
+        n, h, _ = o_lat.shape
+        v = torch.einsum("nhc,hdc->nhd", o_lat.to(self.w_uv.device, torch.float64), self.w_uv)
+        return v.reshape(n, h * 128) @ self.w_o @ self.lm
+
+    def margin_sigma(self, o_ref: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rel_noise: float) -> torch.Tensor:
+        """Standard deviation of logit[a] - logit[b] per node when every output element carries independent
+        noise of standard deviation rel_noise * |o_ref| (the map is linear: sqrt(Σ g² σ²))."""
+        d = (self.lm[:, a] - self.lm[:, b]).T  # [N, hidden]
+        g = (d @ self.w_o.T).reshape(len(a), -1, 128)  # [N, H, 128]
+        g = torch.einsum("nhd,hdc->nhc", g, self.w_uv)  # d(margin)/d(o_lat): [N, H, 512]
+        o = o_ref.to(g.device, torch.float64)
+        return ((g * o * rel_noise) ** 2).sum((1, 2)).sqrt()
+
+
+# A bf16 output carries its own rounding (half an ulp, 2^-9 relative) plus the kernel's (bf16 P in P.V):
+# one bf16 ulp (2^-8 of |o|) per element is a generous standard deviation for that noise. A node is a tie
+# when the reference top-2 margin is within TIE_SIGMAS of it, for either side of a comparison.
+TIE_REL_NOISE = 2.0**-8
+TIE_SIGMAS = 6.0
+
+
+@dataclass
+class TokenResult:
+    passed: bool
+    nodes: int
+    node_mismatches: int  # argmax differs at a node that is not a tie
+    ties: int  # nodes whose margin is within the tolerance's noise
+    walk_mismatches: int  # requests whose accepted path or bonus token differ (not explained by a tie)
+    walk_ties: int  # requests whose walks differ only through tie nodes
+    accepted: list = field(default_factory=list)  # per request: (accepted length, bonus token) from the test output
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def label(self) -> str:
+        if not self.passed:
+            return f"FAIL ({self.node_mismatches} nodes, {self.walk_mismatches} walks)"
+        return "ok" + (f" ({self.ties} ties)" if self.ties else "")
+
+
+def token_exact(proj: TokenProjector, trees: list, o_test: torch.Tensor, o_ref: torch.Tensor) -> TokenResult:
+    lr = proj.logits(o_ref)
+    lt = proj.logits(o_test)
+    top = lr.topk(2, dim=-1)
+    a, b = top.indices[:, 0], top.indices[:, 1]
+    margin = top.values[:, 0] - top.values[:, 1]
+    tie = margin <= TIE_SIGMAS * 2**0.5 * proj.margin_sigma(o_ref, a, b, TIE_REL_NOISE)  # both sides are noisy
+    arg_t = lt.argmax(-1)
+    node_bad = (arg_t != a) & ~tie
+    arg_t, arg_r, tie_np = arg_t.cpu().numpy(), a.cpu().numpy(), tie.cpu().numpy()
+    walk_bad = walk_tie = 0
+    accepted = []
+    row = 0
+    for tree in trees:
+        rows = slice(row, row + tree.size)
+        acc_t = ddtree.accept_greedy(tree, arg_t[rows])
+        acc_r = ddtree.accept_greedy(tree, arg_r[rows])
+        accepted.append((len(acc_t.nodes), acc_t.bonus_token))
+        if not (np.array_equal(acc_t.nodes, acc_r.nodes) and acc_t.bonus_token == acc_r.bonus_token):
+            visited = set(acc_t.nodes.tolist()) | set(acc_r.nodes.tolist())
+            if any(tie_np[row + i] for i in visited):
+                walk_tie += 1
+            else:
+                walk_bad += 1
+        row += tree.size
+    n_bad = int(node_bad.sum())
+    return TokenResult(passed=n_bad == 0 and walk_bad == 0, nodes=len(a), node_mismatches=n_bad,
+                       ties=int(tie.sum()), walk_mismatches=walk_bad, walk_ties=walk_tie, accepted=accepted)
+
+
+def pairwise_tolerances(t: Tolerances) -> Tolerances:
+    """Kernel against kernel: each may sit at the edge of the golden tolerance, on either side."""
+
+    def widen(x: Tolerance) -> Tolerance:
+        return Tolerance(atol=2 * x.atol, rtol=2 * x.rtol, cos_diff=4 * x.cos_diff)
+
+    return Tolerances(out=widen(t.out), lse=widen(t.lse))
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass
+class CaseResult:
+    case: str
+    kernel: str
+    against: str  # "golden" or the name of the kernel it was compared with
+    passed: bool
+    out: Comparison | None = None
+    lse: Comparison | None = None
+    token: TokenResult | None = None
+    repeat_identical: bool | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        d = {"case": self.case, "kernel": self.kernel, "against": self.against, "passed": self.passed,
+             "repeat_identical": self.repeat_identical, "error": self.error}
+        for k in ("out", "lse", "token"):
+            v = getattr(self, k)
+            d[k] = v.to_dict() if v is not None else None
+        return d
+
+
+def _cuda_sync_ok() -> str:
+    try:
+        torch.cuda.synchronize()
+        return ""
+    except RuntimeError as e:  # a kernel fault surfaces here
+        return f"CUDA error after launch: {e}"
+
+
+def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: Tolerances, kernels: list[str],
+               repeat: int, proj_cache: dict, device) -> list[CaseResult]:
+    """Run every kernel on one case; results against the golden, then each kernel against the first."""
+    x = abi.VerifyInputs.from_case(tensors, scale, device)
+    trees = vectors.trees_of(tensors)
+    heads = x.q.shape[1]
+    vocab = max(32000, int(tensors["tree_tokens"].max()) + 1)
+    proj = proj_cache.get((heads, vocab))
+    if proj is None:
+        proj = proj_cache[(heads, vocab)] = TokenProjector(heads, vocab, device)
+    golden_out = tensors["out"].to(device)
+    results, outputs = [], {}
+    for kernel in kernels:
+        try:
+            out, lse = lib.run(kernel, x, sync=False)
+            err = _cuda_sync_ok()
+            if err:
+                raise RuntimeError(err)
+            identical = None
+            if repeat > 1:
+                identical = True
+                for _ in range(repeat - 1):
+                    o2, l2 = lib.run(kernel, x)
+                    identical &= torch.equal(o2.view(torch.int16), out.view(torch.int16)) and torch.equal(
+                        l2.view(torch.int32), lse.view(torch.int32))
+        except (abi.KernelError, RuntimeError) as e:
+            results.append(CaseResult(name, kernel, "golden", False, error=str(e)))
+            continue
+        c_out = compare("out", out, tensors["out"], tol.out)
+        c_lse = compare("lse", lse, tensors["lse"], tol.lse)
+        tok = token_exact(proj, trees, out, golden_out)
+        ok = c_out.passed and c_lse.passed and tok.passed and identical is not False
+        results.append(CaseResult(name, kernel, "golden", ok, c_out, c_lse, tok, identical))
+        outputs[kernel] = (out, lse)
+    if len(outputs) > 1:
+        base = kernels[0]
+        pt = pairwise_tolerances(tol)
+        for kernel in kernels[1:]:
+            if kernel not in outputs or base not in outputs:
+                continue
+            (o, l), (ob, lb) = outputs[kernel], outputs[base]
+            c_out = compare("out", o, ob, pt.out)
+            c_lse = compare("lse", l, lb, pt.lse)
+            tok_t = token_exact(proj, trees, o, golden_out)
+            tok_b = token_exact(proj, trees, ob, golden_out)
+            walks_differ = tok_t.accepted != tok_b.accepted
+            explained = tok_t.walk_ties + tok_b.walk_ties > 0
+            tok = TokenResult(passed=tok_t.passed and tok_b.passed and (not walks_differ or explained),
+                              nodes=tok_t.nodes, node_mismatches=tok_t.node_mismatches + tok_b.node_mismatches,
+                              ties=tok_t.ties, walk_mismatches=int(walks_differ and not explained),
+                              walk_ties=int(walks_differ and explained), accepted=tok_t.accepted)
+            results.append(CaseResult(name, kernel, base, c_out.passed and c_lse.passed and tok.passed, c_out, c_lse, tok))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: int) -> CaseSpec:
+    """A random case: DDTree or random/chain/star tree, ragged batch, shuffled pages, page size 1 or 64.
+    Sizes are log-uniform so that small edge cases and large ones both come up."""
+    batch = int(rng.choice([1, 1, 2, 3, 4, 8]))
+
+    def loguni(hi):
+        return int(np.exp(rng.uniform(0, np.log(hi + 1)))) - 1
+
+    prefix = tuple(loguni(max_prefix) for _ in range(batch))
+    nodes = max(1, loguni(max_nodes))
+    if rng.random() < 0.5:
+        budget = max(1, min(nodes - 1, 1024)) if nodes > 1 else 1
+        tree = TreeSpec("ddtree", budget=budget, depth=int(rng.integers(1, 16)), topk=min(budget, 4000), vocab=4000,
+                        sharpness=float(rng.uniform(0.3, 3.0)), ties=bool(rng.random() < 0.3))
+    else:
+        tree = TreeSpec(str(rng.choice(["random", "random", "chain", "star"])), nodes=nodes)
+    heads = int(rng.choice([1, 3, 8, 8, 16, 16, 20, 64]))
+    if nodes * heads * batch > 65536:  # keep one case's reference and oracle runs around a second
+        heads = max(1, 65536 // (nodes * batch))
+    return CaseSpec(name=name, prefix_lens=prefix, tree=tree, heads=heads, page_size=int(rng.choice([1, 64])),
+                    seed=int(rng.integers(0, 2**31 - 1)), model="kimi-k2.6", tolerances=DEFAULT_TOLERANCES)
+
+
+# -------------------------------------------------------------------------------------------- ledger
+def ledger_dir() -> Path:
+    return Path(os.environ.get("KDEV_LEDGER", REPO_ROOT / ".kdev" / "ledger"))
+
+
+def append_record(record: dict, folder: Path | None = None) -> Path:
+    """One file per record, unique name, atomic rename: concurrent runs never clobber each other."""
+    folder = Path(folder) if folder else ledger_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = record["timestamp"].replace(":", "").replace("-", "")
+    path = folder / f"{stamp}-{uuid.uuid4().hex[:12]}.json"
+    atomic_write_bytes(path, json.dumps(record, indent=1, allow_nan=False, default=str).encode())
+    return path
+
+
+def read_records(folder: Path | None = None) -> list[dict]:
+    """All readable ledger records, oldest first (unreadable files are skipped, never fatal)."""
+    folder = Path(folder) if folder else ledger_dir()
+    recs = []
+    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            r = json.loads(f.read_text())
+            r["_file"] = str(f)
+            recs.append(r)
+        except (OSError, ValueError):
+            continue
+    return recs
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
+    per = {}
+    for k in kernels:
+        rs = [r for r in results if r.kernel == k]
+        per[k] = {"cases": len({r.case for r in rs}), "checks": len(rs), "failed": sum(not r.passed for r in rs),
+                  "passed": all(r.passed for r in rs) and bool(rs),
+                  "ties": sum(r.token.ties for r in rs if r.token), "worst_abs_out": max(
+                      (r.out.max_abs for r in rs if r.out), default=None)}
+    return per
+
+
+def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: abi.Library, gpu: dict,
+                suite: dict) -> dict:
+    per = summarize(results, kernels)
+    return {
+        "schema_version": LEDGER_SCHEMA, "timestamp": now_iso(), "kind": kind,
+        "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
+        "gpu": gpu, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
+        "failures": [{"case": r.case, "kernel": r.kernel, "against": r.against,
+                      "reason": r.error or "; ".join(x for x in (
+                          r.out.reason if r.out else "", r.lse.reason if r.lse else "",
+                          r.token.label() if r.token and not r.token.passed else "",
+                          "bits changed between repeats" if r.repeat_identical is False else "") if x)}
+                     for r in results if not r.passed],
+    }
+
+
+
+# ------------------------------------------------------------------------------------------ running
+@dataclass
+class VerifyRun:
+    kind: str  # "suite" or "fuzz"
+    kernels: list
+    results: list
+    record: dict
+    ledger_path: Path | None
+    fuzz_seed: int | None = None
+    saved_failures: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.record["passed"]
+
+
+def _load_library(lib_path, log) -> abi.Library:
+    """Build (a cache hit when current) or load the library for this GPU's arch."""
+    from kdev import build as kbuild
+    from kdev import config, gpu
+
+    if lib_path:
+        return abi.Library(lib_path)
+    res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
+    if res.problems:
+        from kdev.errors import CheckFailed
+
+        raise CheckFailed(f"kdev build failed its resource gate: {res.problems[0]}")
+    return abi.Library(res.library)
+
+
+def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[str] | None = None,
+              allow_stale: bool = False, lib_path=None, log=None, warn=None, progress=None,
+              write_ledger: bool = True) -> VerifyRun:
+    from kdev import gpu
+
+    gpu.require_cuda("kdev verify")
+    suite = vectors.open_suite(suite_ref, allow_stale=allow_stale, warn=warn)
+    suite.check_integrity()  # every file against its sha256 before anything runs
+    entries = suite.cases
+    if cases:
+        unknown = sorted(set(cases) - {e["name"] for e in entries})
+        if unknown:
+            from kdev.errors import BadInput
+
+            raise BadInput(f"{suite.path}: no case named {unknown[0]!r}")
+        entries = [e for e in entries if e["name"] in cases]
+    lib = _load_library(lib_path, log)
+    device = torch.device("cuda", torch.cuda.current_device())
+    results, proj_cache = [], {}
+    for entry in entries:
+        tensors = suite.load_case(entry)
+        results += check_case(lib, entry["name"], tensors, entry["scale"], suite.tolerances(entry), kernels, repeat,
+                              proj_cache, device)
+        if progress:
+            progress(entry["name"])
+    info = {"name": suite.name, "path": str(suite.path), "manifest_sha256": suite.manifest_sha256,
+            "generator_hash": suite.manifest.get("generator_hash"), "stale": suite.stale,
+            "cases": [e["name"] for e in entries], "repeat": repeat}
+    record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info)
+    path = append_record(record) if write_ledger else None
+    return VerifyRun("suite", kernels, results, record, path)
+
+
+def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: int | None = None, repeat: int = 1,
+             lib_path=None, log=None, progress=None, failures_root: Path | None = None,
+             write_ledger: bool = True) -> VerifyRun:
+    from kdev import gpu
+
+    gpu.require_cuda("kdev verify --fuzz")
+    lib = _load_library(lib_path, log)
+    max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(seed)
+    results, saved, proj_cache = [], [], {}
+    for i in range(n):
+        spec = fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes)
+        case = vectors.generate_case(spec, device="cuda")
+        rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device)
+        results += rs
+        if not all(r.passed for r in rs):
+            saved.append(str(vectors.append_case(failures_root or vectors.default_vectors_root(), FUZZ_SUITE, case,
+                                                 "failing fuzz cases, kept as regression vectors")))
+        if progress:
+            progress(spec.name)
+    info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat}
+    record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info)
+    path = append_record(record) if write_ledger else None
+    return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)

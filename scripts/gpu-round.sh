@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200), the GPU tests,
+# kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
+# ./gpu-results): at most 8 files, the last lines of each step on stdout.
+#   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME] [--skip-tests] [--sanitize]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --fuzz) FUZZ="$2"; shift 2 ;;
+    --sweep) SWEEP="$2"; shift 2 ;;
+    --skip-tests) SKIP_TESTS=1; shift ;;
+    --sanitize) SANITIZE=1; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+LOG="$OUT/round.log"
+declare -A RC
+step() {  # step NAME CMD...: run, log, remember the exit code
+  local name="$1"; shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+  RC[$name]=${PIPESTATUS[0]}
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
+step build python3 -m kdev build --arch sm_90
+python3 -m kdev build --arch sm_90 --json > "$OUT/build.json" 2>/dev/null
+if [ "$SKIP_TESTS" = 0 ]; then
+  step gpu-tests python3 -m pytest -q -m gpu tests/gpu -x
+fi
+step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash --repeat 3 --out-json "$OUT/verify-smoke.json"
+step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash --out-json "$OUT/verify-fuzz.json"
+if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
+      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash
+  done
+fi
+step ceilings python3 -m kdev bench --ceilings
+step bench python3 -m kdev bench --sweep "$SWEEP" --out-json "$OUT/bench.json" --csv "$OUT/bench.csv"
+echo "=== summary" | tee -a "$LOG"
+fail=0
+for k in "${!RC[@]}"; do echo "$k: exit ${RC[$k]}" | tee -a "$LOG"; [ "${RC[$k]}" = 0 ] || fail=1; done
+exit $fail

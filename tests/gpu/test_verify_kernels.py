@@ -1,0 +1,133 @@
+"""Naive oracle and flash kernel on the GPU: golden vectors, fresh random cases against the float64
+reference, the split-KV path, determinism, and bad arguments answered with a status."""
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kdev import abi, config, vectors
+from kdev.compare import compare
+
+pytestmark = pytest.mark.gpu
+KERNELS = ["naive", "flash"]
+
+
+def _check(lib, kernel, tensors, scale, tol, label):
+    x = abi.VerifyInputs.from_case(tensors, scale, "cuda")
+    out, lse = lib.run(kernel, x)
+    assert torch.isfinite(out.float()).all(), f"{label}: non-finite output (unwritten or NaN read)"
+    c_out = compare("out", out, tensors["out"], tol.out)
+    c_lse = compare("lse", lse, tensors["lse"], tol.lse)
+    assert c_out.passed, f"{label} out: {c_out.reason}; worst {c_out.worst[:3]}"
+    assert c_lse.passed, f"{label} lse: {c_lse.reason}; worst {c_lse.worst[:3]}"
+    return out, lse
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_smoke_goldens(lib, kernel):
+    suite = vectors.open_suite("smoke")
+    for entry in suite.cases:
+        t = suite.load_case(entry)
+        _check(lib, kernel, t, entry["scale"], suite.tolerances(entry), f"{kernel}/{entry['name']}")
+
+
+def _random_spec(rng, name, max_prefix=6000, max_nodes=160):
+    batch = int(rng.integers(1, 5))
+    prefix = [int(v) for v in rng.integers(0, max_prefix, batch)]
+    if rng.random() < 0.2:
+        prefix[0] = 0
+    if rng.random() < 0.5:
+        nodes = int(rng.integers(1, max_nodes))
+        tree = config.TreeSpec("ddtree", budget=nodes, depth=int(rng.integers(1, 16)), topk=min(nodes, 32000),
+                               vocab=32000, sharpness=float(rng.uniform(0.5, 3)), ties=bool(rng.random() < 0.3))
+    else:
+        tree = config.TreeSpec(str(rng.choice(["random", "chain", "star"])), nodes=int(rng.integers(1, max_nodes)))
+    return config.CaseSpec(name=name, prefix_lens=tuple(prefix), tree=tree, heads=int(rng.choice([1, 3, 8, 16, 20, 64])),
+                           page_size=int(rng.choice([1, 64])), seed=int(rng.integers(0, 2**31)), model="kimi-k2.6",
+                           tolerances=config.DEFAULT_TOLERANCES)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fresh_random_cases_against_float64(lib, kernel):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    for i in range(12):
+        spec = _random_spec(rng, f"r{i}")
+        case = vectors.generate_case(spec, device="cuda")
+        _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel} seed={seed} case {i} {spec}")
+
+
+def test_flash_split_kv_long_prefix_and_determinism(lib):
+    spec = config.CaseSpec(name="long", prefix_lens=(40000,), tree=config.TreeSpec("ddtree", budget=64, depth=15,
+                           topk=64, vocab=32000), heads=8, page_size=64, seed=int.from_bytes(os.urandom(4), "little"),
+                           model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    out0, lse0 = lib.alloc_outputs(x)
+    assert lib.flash_splits(lib.params(x, out0, lse0)) > 1  # this shape must take the split-KV + combine path
+    first, _ = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash seed={spec.seed}")
+    for _ in range(3):
+        again, _ = lib.run("flash", x)
+        assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+
+
+def test_limits_t1025_and_h64(lib):
+    for spec in [
+        config.CaseSpec("t1025", (3000,), config.TreeSpec("random", nodes=1025), 8, 1, 77, "kimi-k2.6",
+                        config.DEFAULT_TOLERANCES),
+        config.CaseSpec("h64", (5000, 17), config.TreeSpec("ddtree", budget=128, depth=15, topk=128, vocab=32000),
+                        64, 64, 78, "kimi-k2.6", config.DEFAULT_TOLERANCES),
+    ]:
+        case = vectors.generate_case(spec, device="cuda")
+        for kernel in KERNELS:
+            _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel}/{spec.name}")
+
+
+def test_perturbed_output_is_caught(lib):
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[3]
+    t = suite.load_case(entry)
+    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    for kernel in KERNELS:
+        out, _ = lib.run(kernel, x)
+        out[5, 3, 100] += 0.25
+        c = compare("out", out, t["out"], suite.tolerances(entry).out)
+        assert not c.passed and c.worst[0][0] == (5, 3, 100)
+
+
+def test_bad_arguments_return_status_and_launch_nothing(lib):
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[4]
+    t = suite.load_case(entry)
+    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    out, lse = lib.alloc_outputs(x)
+    for field, value, message in [("num_heads", 0, "num_heads 0"), ("mask_words", 0, "mask_words 0"),
+                                  ("page_size", 48, "page_size 48"), ("max_qlen", 2000, "max_qlen 2000"),
+                                  ("struct_size", 8, "struct_size"), ("scale", float("nan"), "scale")]:
+        for kernel in KERNELS:
+            p = lib.params(x, out, lse)
+            setattr(p, field, value)
+            with pytest.raises(abi.KernelError, match=message) as e:
+                lib.call(kernel, p)
+            assert e.value.status == 1
+    host = torch.zeros(x.q.shape[0] * x.q.shape[1] * 512, dtype=torch.bfloat16)  # pageable host memory
+    p = lib.params(x, out, lse)
+    p.out = host.data_ptr()
+    with pytest.raises(abi.KernelError, match="out is not device memory"):
+        lib.call("naive", p)
+    # flash on a long prefix needs a workspace: without one it refuses with status 3
+    spec = config.CaseSpec("ws", (30000,), config.TreeSpec("chain", nodes=8), 8, 64, 5, "kimi-k2.6",
+                           config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    xw = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    ow, lw = lib.alloc_outputs(xw)
+    p = lib.params(xw, ow, lw)
+    assert lib.workspace_size(p) > 0
+    with pytest.raises(abi.KernelError) as e:
+        lib.call("flash", p)
+    assert e.value.status == 3 and "workspace" in e.value.message
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(ow.float()).all()  # nothing was launched
