@@ -42,23 +42,18 @@ constexpr int kBlockN = 32;                    // KV tokens per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kKvStride = KDTREE_QK_DIM + 8;  // 584 bf16 = 1168 B: rows land 4 banks apart (ldmatrix conflict-free)
-constexpr int kPStride = kBlockN + 8;          // 40 bf16 = 80 B
-constexpr int kSStride = kBlockN + 4;          // fp32 partial scores, padded
 constexpr int kDimHalf = KDTREE_QK_DIM / 2;    // 288 dims per S warp
 constexpr int kKSteps = kDimHalf / 16;         // 18 k-steps of 16
 constexpr int kVHalf = KDTREE_V_DIM / 2;       // 256 value columns per PV warp
 constexpr int kVTiles = kVHalf / 8;            // 32 n-tiles of 8
 constexpr int kChunksPerRow = KDTREE_QK_DIM / 8;  // 72 x 16-byte chunks per KV row
+constexpr unsigned kBufBytes = kBlockN * kKvStride * 2;  // one KV buffer
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 struct __align__(16) SharedStorage {
   __nv_bfloat16 kv[2][kBlockN][kKvStride];  // 74,752 B: double-buffered KV tile
-  float s_part[2][kBlockM][kSStride];       // 18,432 B: half-dim partial scores
-  __nv_bfloat16 p[kBlockM][kPStride];       //  5,120 B: probabilities (bf16)
-  float alpha[kBlockM];                     // per-row rescale of O for this tile
-  float row_l[kBlockM];
-  float row_m[kBlockM];
+  float4 s_part[kWarps][4][32];             // 16,384 B: each warp's half-dim partial scores, fragment order
 };
 
 // sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
@@ -71,14 +66,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// ldmatrix takes 32-bit shared-window addresses: cheaper in registers than generic pointers.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
@@ -160,136 +154,143 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
 #pragma unroll
   for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
 
-  // Softmax role: thread -> (row sr, tokens 8*sq .. 8*sq+7). Its running max and sum live in registers.
-  const int sr = tid / 4, sq = tid % 4;
-  const bool s_row_valid = row0 + sr < R;
+  // Softmax state of this thread's two rows (lo = 16g + gid, hi = lo + 8), replicated across the quad.
+  const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
   const float scale_log2 = p.scale * kLog2e;
-  float m_run = -INFINITY, l_run = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  // Per-lane byte offsets of the ldmatrix rows inside a KV buffer (see the fragment maps above mma_bf16).
+  const int mi = lane / 8;
+  const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0]));
+  const unsigned k_lane_off = (((mi / 2) * 8 + lane % 8) * kKvStride + c * kDimHalf + (mi % 2) * 8) * 2;
+  const unsigned v_lane_off = (((mi % 2) * 8 + lane % 8) * kKvStride + c * kVHalf + (mi / 2) * 8) * 2;
 
   for (int it = 0; it < num_tiles; ++it) {
     const int buf = it & 1;
     const int start = kv_begin + it * kBlockN;
     cp_async_wait_all();
-    __syncthreads();  // tile `it` landed; everyone is done with the previous tile's buffers
+    __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
     if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
 
-    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, 16 tokens at a time (fewer live registers)
-    {
-      const int mi = lane / 8;
-      const int dim = c * kDimHalf + (mi % 2) * 8;
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, 16 tokens per pass; each pass's half-sums
+    // go to shared memory at once (fewer live registers), then the pair meets at a 64-thread named barrier
+    // and each warp adds its own and its partner's half-sums in the same order.
 #pragma unroll 1
-      for (int tn = 0; tn < kBlockN; tn += 16) {
-        float sacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        const __nv_bfloat16* krow = &sm.kv[buf][tn + (mi / 2) * 8 + lane % 8][dim];
+    for (int pass = 0; pass < 2; ++pass) {
+      float sacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const unsigned krow = kv_smem + buf * kBufBytes + k_lane_off + pass * 16 * kKvStride * 2;
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          uint32_t bf[4];
-          ldmatrix_x4(bf, krow + ks * 16);
-          mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
-          mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int col = tn + nt * 8 + tig * 2;
-          *reinterpret_cast<float2*>(&sm.s_part[c][g * 16 + gid][col]) = make_float2(sacc[nt][0], sacc[nt][1]);
-          *reinterpret_cast<float2*>(&sm.s_part[c][g * 16 + gid + 8][col]) = make_float2(sacc[nt][2], sacc[nt][3]);
-        }
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, krow + ks * 32);
+        mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
+        mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
       }
+      sm.s_part[warp][pass * 2][lane] = make_float4(sacc[0][0], sacc[0][1], sacc[0][2], sacc[0][3]);
+      sm.s_part[warp][pass * 2 + 1][lane] = make_float4(sacc[1][0], sacc[1][1], sacc[1][2], sacc[1][3]);
     }
-    __syncthreads();
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory");
+    float sacc[4][4];
+    const int w0 = g, w1 = 4 + g;  // the c = 0 and c = 1 warps of this row group: one summation order for both
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float4 u = sm.s_part[w0][nt][lane], v = sm.s_part[w1][nt][lane];
+      sacc[nt][0] = (u.x + v.x) * scale_log2;
+      sacc[nt][1] = (u.y + v.y) * scale_log2;
+      sacc[nt][2] = (u.z + v.z) * scale_log2;
+      sacc[nt][3] = (u.w + v.w) * scale_log2;
+    }
 
-    // ---- online softmax over the tile's 32 tokens, 4 threads per row
-    {
-      float s[8];
+    // ---- mask: tiles that reach the tree or the range end; rows past R attend to nothing
+    if (start + kBlockN > L || start + kBlockN > kv_end || r_hi >= R) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s[j] = (sm.s_part[0][sr][sq * 8 + j] + sm.s_part[1][sr][sq * 8 + j]) * scale_log2;
-      if (!s_row_valid) {
+      for (int half = 0; half < 2; ++half) {
+        const int r = half ? r_hi : r_lo;
+        const uint64_t* mask_row = p.tree_mask + (size_t)(q0 + (r < R ? r / H : 0)) * p.mask_words;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) s[j] = -INFINITY;
-      } else if (start + kBlockN > L || start + kBlockN > kv_end) {  // tile reaches the tree or the range end
-        // Computed here, not kept across the loop: registers are the scarce resource in this kernel.
-        const uint64_t* mask_row = p.tree_mask + (size_t)(q0 + (row0 + sr) / H) * p.mask_words;
+        for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int pos = start + sq * 8 + j;
-          if (pos >= kv_end) {
-            s[j] = -INFINITY;
-          } else if (pos >= L) {
-            const int node = pos - L;
-            if (!((mask_row[node / 64] >> (node % 64)) & 1ull)) s[j] = -INFINITY;
+          for (int e = 0; e < 2; ++e) {
+            const int pos = start + nt * 8 + tig * 2 + e;
+            bool keep = r < R && pos < kv_end;
+            if (keep && pos >= L) {
+              const int node = pos - L;
+              keep = (mask_row[node / 64] >> (node % 64)) & 1ull;
+            }
+            if (!keep) sacc[nt][half * 2 + e] = -INFINITY;
           }
         }
       }
-      float mx = s[0];
-#pragma unroll
-      for (int j = 1; j < 8; ++j) mx = fmaxf(mx, s[j]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run, mx);
-      float alpha = 1.f, sum = 0.f;
-      uint32_t pw[4] = {0u, 0u, 0u, 0u};  // 8 bf16 probabilities, packed in pairs
-      if (m_new != -INFINITY) {            // else nothing attended yet in this row: zeros, and no inf - inf
-        alpha = exp2f(m_run - m_new);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float p0 = exp2f(s[2 * j] - m_new), p1 = exp2f(s[2 * j + 1] - m_new);
-          sum += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
-          pw[j] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l_run = l_run * alpha + sum;
-      m_run = m_new;
-      *reinterpret_cast<uint4*>(&sm.p[sr][sq * 8]) = make_uint4(pw[0], pw[1], pw[2], pw[3]);
-      if (sq == 0) sm.alpha[sr] = alpha;
     }
-    __syncthreads();
+
+    // ---- online softmax in registers (a row's 32 scores live in the 4 threads of a quad)
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      mx_lo = fmaxf(mx_lo, fmaxf(sacc[nt][0], sacc[nt][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(sacc[nt][2], sacc[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off *= 2) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
+    const float base_lo = mn_lo == -INFINITY ? 0.f : mn_lo, base_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
+    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
+    m_lo = mn_lo;
+    m_hi = mn_hi;
+    float sum_lo = 0.f, sum_hi = 0.f;
+    uint32_t pf[2][4];  // P as the A operand of P.V: two k-steps of 16 tokens
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float p0 = exp2f(sacc[nt][0] - base_lo), p1 = exp2f(sacc[nt][1] - base_lo);
+      const float p2 = exp2f(sacc[nt][2] - base_hi), p3 = exp2f(sacc[nt][3] - base_hi);
+      sum_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
+      sum_hi += p2 + p3;
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1), hi = __floats2bfloat162_rn(p2, p3);
+      // C layout (row gid / gid+8, tokens 8nt + 2tig..) is the A layout of m16n8k16: a0a1 | a2a3 | a4a5 | a6a7
+      pf[nt / 2][(nt % 2) * 2 + 0] = *reinterpret_cast<const uint32_t*>(&lo);
+      pf[nt / 2][(nt % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off *= 2) {
+      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
+      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
 
     // ---- O[16 rows, 256 columns half c] = alpha * O + P[16, 32] . V[32, 256]
-    {
-      const float a_lo = sm.alpha[g * 16 + gid], a_hi = sm.alpha[g * 16 + gid + 8];
 #pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt) {
-        o[nt][0] *= a_lo;
-        o[nt][1] *= a_lo;
-        o[nt][2] *= a_hi;
-        o[nt][3] *= a_hi;
-      }
-      const int mi = lane / 8;
+    for (int nt = 0; nt < kVTiles; ++nt) {
+      o[nt][0] *= alpha_lo;
+      o[nt][1] *= alpha_lo;
+      o[nt][2] *= alpha_hi;
+      o[nt][3] *= alpha_hi;
+    }
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t af[4];
-        ldmatrix_x4(af, &sm.p[g * 16 + (mi % 2) * 8 + lane % 8][kk * 16 + (mi / 2) * 8]);
-        const int tok = kk * 16 + (mi % 2) * 8 + lane % 8;
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const unsigned vrow = kv_smem + buf * kBufBytes + v_lane_off + kk * 16 * kKvStride * 2;
 #pragma unroll
-        for (int np = 0; np < kVTiles / 2; ++np) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, &sm.kv[buf][tok][c * kVHalf + np * 16 + (mi / 2) * 8]);
-          mma_bf16(o[2 * np], af, bf[0], bf[1]);
-          mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
-        }
+      for (int np = 0; np < kVTiles / 2; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, vrow + np * 32);
+        mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
+        mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
       }
     }
   }
-
-  if (sq == 0) {
-    sm.row_l[sr] = l_run;
-    sm.row_m[sr] = m_run;
-  }
-  __syncthreads();
 
   // ---- epilogue: normalise; write bf16 out + lse, or this split's fp32 partial + lse
   const size_t rows_total = (size_t)p.total_q * H;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int rl = g * 16 + gid + half * 8;
-    const int r = row0 + rl;
+    const int r = half ? r_hi : r_lo;
     if (r >= R) continue;
-    const float l = sm.row_l[rl];
+    const float l = half ? l_hi : l_lo;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (sm.row_m[rl] + log2f(l)) * kLn2 : -INFINITY;
+    const float lse = l > 0.f ? ((half ? m_hi : m_lo) + log2f(l)) * kLn2 : -INFINITY;
     const size_t grow = (size_t)q0 * H + r;
     if (num_splits == 1) {
       __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * kVHalf + tig * 2;
@@ -350,13 +351,20 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   FlashPlan plan{};
   plan.num_m_tiles = (p.max_qlen * p.num_heads + kBlockM - 1) / kBlockM;
   const long base = (long)p.batch * plan.num_m_tiles;
+  // One CTA per SM. Pick the split count s that minimises the waves per unit of work, ceil(base*s/SMs)/s,
+  // keeping >= 256 tokens (8 tiles) per split; a small per-split cost (Q load, partials, combine) breaks
+  // near-ties toward fewer splits.
   int splits = 1;
-  if (base < sm_count) {
-    splits = (int)(sm_count / base);                      // fill about one wave (one CTA per SM)
-    const int by_len = (p.max_kv_len + 255) / 256;        // keep at least 256 tokens (8 tiles) per split
-    splits = splits < by_len ? splits : by_len;
-    splits = splits < 64 ? splits : 64;
-    splits = splits > 1 ? splits : 1;
+  const int by_len = (p.max_kv_len + 255) / 256;
+  const int max_splits = by_len < 64 ? by_len : 64;
+  double best = 1e30;
+  for (int s = 1; s <= max_splits; ++s) {
+    const long waves = (base * s + sm_count - 1) / sm_count;
+    const double cost = (double)waves / s + 0.01 * (s - 1);
+    if (cost < best - 1e-9) {
+      best = cost;
+      splits = s;
+    }
   }
   plan.num_splits = splits;
   plan.workspace_bytes =
