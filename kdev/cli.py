@@ -355,5 +355,86 @@ def bench_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
+# ----------------------------------------------------------------------------------------- deploy-check
+@app.command("deploy-check")
+@command
+def deploy_check_cmd(
+    repo: Path = typer.Option(Path("."), "--repo", help="Repository to check."),
+    target: Optional[str] = typer.Option(None, "--target", help="Deploy target arch (default: configs/deploy.yaml)."),
+    strict: bool = typer.Option(False, "--strict", help="Warnings fail too."),
+    require_gpu: bool = typer.Option(False, "--require-gpu", help="No GPU (or no NVML) fails instead of warning."),
+    json_out: bool = JsonOpt,
+):
+    """Git, build provenance, vectors, verification record and GPU state before a deploy."""
+    from kdev import deploy
+
+    if target is not None and not (target.startswith("sm_") and target[3:].rstrip("a").isdigit()):
+        raise typer.BadParameter(f"{target!r} is not an arch like sm_120", param_hint="--target")
+    probes, cfg = deploy.run_checks(repo, target, require_gpu)
+    failed = [p for p in probes if p.status == deploy.FAIL or (strict and p.status == deploy.WARN)]
+    if json_out:
+        report.emit_json({"repo": str(repo.resolve()), "target_arch": cfg.target_arch, "strict": strict,
+                          "ok": not failed, "probes": [p.to_dict() for p in probes]})
+    else:
+        style = {deploy.PASS: "[green]pass[/]", deploy.WARN: "[yellow]warn[/]", deploy.FAIL: "[red]FAIL[/]"}
+        rows = [[p.name, style[p.status], p.reason] for p in probes]
+        report.show(report.table(f"deploy-check {repo.resolve()} -> {cfg.target_arch}", ["probe", "status", "reason"],
+                                 rows, {"left": ("probe", "status", "reason")}))
+        git = next((p for p in probes if p.name == "git"), None)
+        if git and git.details.get("last_commits"):
+            report.show("last commits:\n  " + "\n  ".join(git.details["last_commits"]))
+        report.show("[green]ready to deploy[/]" if not failed else
+                    f"[red]not ready[/]: {len(failed)} probe(s) failed" + (" (--strict)" if strict else ""))
+    if failed:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+# ---------------------------------------------------------------------------------------------------- all
+@app.command("all")
+@command
+def all_cmd(
+    json_out: bool = JsonOpt,
+):
+    """The whole loop in order: gen-refs --check, build, verify, bench (smoke sweep), deploy-check.
+    Stops at the first failing stage; GPU stages are reported as skipped (not passed) without a GPU."""
+    import subprocess
+    import sys
+
+    import torch
+
+    have_gpu = torch.cuda.is_available()
+    stages = [("gen-refs", ["gen-refs", "--suite", "smoke", "--check"], False),
+              ("build", ["build"], False),
+              ("verify", ["verify", "--suite", "smoke"], True),
+              ("bench", ["bench", "--sweep", "smoke"], True),
+              ("deploy-check", ["deploy-check"], False)]
+    results, code = [], 0
+    for name, args, needs_gpu in stages:
+        if needs_gpu and not have_gpu:
+            results.append({"stage": name, "status": "skipped", "reason": "no CUDA GPU", "exit_code": None})
+            report.info(f"[yellow]skip[/] {name}: no CUDA GPU")
+            continue
+        report.info(f"[bold]== {name}[/]: kdev {' '.join(args)}")
+        proc = subprocess.run([sys.executable, "-m", "kdev", *args],
+                              stdout=subprocess.DEVNULL if json_out else None)
+        ok = proc.returncode == 0
+        results.append({"stage": name, "status": "passed" if ok else "failed", "exit_code": proc.returncode})
+        if not ok:
+            code = proc.returncode
+            break
+    done = {r["stage"] for r in results}
+    results += [{"stage": n, "status": "not run", "exit_code": None} for n, _, _ in stages if n not in done]
+    if json_out:
+        report.emit_json({"ok": code == 0, "stages": results})
+    else:
+        style = {"passed": "[green]passed[/]", "failed": "[red]FAILED[/]", "skipped": "[yellow]skipped[/]",
+                 "not run": "not run"}
+        report.show(report.table("kdev all", ["stage", "status", "exit"],
+                                 [[r["stage"], style[r["status"]], "-" if r["exit_code"] is None else r["exit_code"]]
+                                  for r in results], {"left": ("stage", "status")}))
+    if code:
+        raise typer.Exit(code)
+
+
 def main():
     app()

@@ -1,0 +1,303 @@
+"""kdev deploy-check probes: "is what I am about to deploy exactly what was built and verified, and is the
+machine fit to take it?"
+
+Each probe gives pass / warn / fail with a one-line reason (and details). Probes read one repository
+(--repo), so the same checks run against a checkout that is not the current directory. The GPU probes go
+through an NVML layer that tests replace with a fake; production uses nvidia-ml-py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as _dt
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kdev.config import _Reader, load_yaml
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+WATCHED_DIRS = ("kernels/", "kdev/", "configs/", "vectors/")
+
+
+@dataclass
+class Probe:
+    name: str
+    status: str
+    reason: str
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    target_arch: str
+    required_suites: tuple
+    required_kernels: tuple
+    memory_headroom_gib: float
+    max_ledger_age_days: float
+
+
+def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
+    path = repo / "configs" / "deploy.yaml"
+    data = load_yaml(path) if path.is_file() else {}
+    r = _Reader(data or {}, path, "")
+    cfg = DeployConfig(
+        target_arch=target or r.get("target_arch", str, "sm_120"),
+        required_suites=tuple(r.get("required_suites", list, ["smoke"])),
+        required_kernels=tuple(r.get("required_kernels", list, ["naive", "flash"])),
+        memory_headroom_gib=r.get("memory_headroom_gib", float, 8.0),
+        max_ledger_age_days=r.get("max_ledger_age_days", float, 14.0))
+    r.done()
+    return cfg
+
+
+def _git(repo: Path, *args) -> str | None:
+    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    return r.stdout.rstrip("\n") if r.returncode == 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ git
+def probe_git(repo: Path) -> Probe:
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is None:
+        return Probe("git", FAIL, f"{repo} is not inside a git repository")
+    branch = _git(repo, "rev-parse", "--abbrev-ref", "HEAD") or "?"
+    head = _git(repo, "rev-parse", "HEAD")
+    log = (_git(repo, "log", "-5", "--format=%h %ad %s", "--date=short") or "").splitlines()
+    status = (_git(repo, "status", "--porcelain", "--untracked-files=all") or "").splitlines()
+    watched, other = [], []
+    for line in status:
+        path = line[3:].split(" -> ")[-1]
+        (watched if path.startswith(WATCHED_DIRS) else other).append(f"{line[:2].strip() or '?'} {path}")
+    details = {"branch": branch, "head": head, "last_commits": log, "dirty": watched, "dirty_elsewhere": other}
+    upstream = _git(repo, "rev-parse", "--abbrev-ref", "--symbolic-full-name", "@{u}")
+    ahead_behind = None
+    if upstream:
+        counts = _git(repo, "rev-list", "--left-right", "--count", f"{upstream}...HEAD")
+        if counts:
+            behind, ahead = map(int, counts.split())
+            ahead_behind = (ahead, behind)
+            details.update(upstream=upstream, ahead=ahead, behind=behind)
+    if head is None:
+        return Probe("git", FAIL, "no commits yet", details)
+    if watched:
+        shown = ", ".join(watched[:4]) + (f" (+{len(watched) - 4} more)" if len(watched) > 4 else "")
+        return Probe("git", FAIL, f"uncommitted changes: {shown}", details)
+    where = f"{branch} @ {head[:12]}"
+    if ahead_behind and any(ahead_behind):
+        return Probe("git", WARN, f"{where}: {ahead_behind[0]} ahead, {ahead_behind[1]} behind {upstream}", details)
+    if other:
+        return Probe("git", WARN, f"{where}: clean kernels/kdev/configs/vectors, {len(other)} other change(s)", details)
+    return Probe("git", PASS, f"{where}, clean" + (f", in sync with {upstream}" if upstream else ""), details)
+
+
+# ---------------------------------------------------------------------------------------------- build
+def library_info(repo: Path) -> tuple[Path | None, dict | None, str]:
+    """(library path, embedded build info, problem) for the repo's last successful build."""
+    latest = repo / "build" / "latest.json"
+    if not latest.is_file():
+        return None, None, "no library built (build/latest.json missing): run 'kdev build'"
+    lib = Path(json.loads(latest.read_text())["library"])
+    if not lib.is_file():
+        return lib, None, f"{lib} is missing: run 'kdev build'"
+    try:
+        dll = ctypes.CDLL(str(lib))
+        dll.kdtree_build_info.restype = ctypes.c_char_p
+        return lib, json.loads(dll.kdtree_build_info()), ""
+    except (OSError, AttributeError, ValueError) as e:
+        return lib, None, f"{lib}: cannot read its build info: {e}"
+
+
+def probe_build(repo: Path, target_arch: str, local_archs: list[str]) -> Probe:
+    from kdev import build as kbuild
+
+    lib, info, problem = library_info(repo)
+    if info is None:
+        return Probe("build provenance", FAIL, problem)
+    kdir = repo / "kernels"
+    now = kbuild.source_hashes(kdir)
+    built = info.get("sources", {})
+    changed = sorted(f for f in set(now) | set(built) if now.get(f) != built.get(f))
+    details = {"library": str(lib), "build_info": info, "changed_sources": changed}
+    if info.get("source_hash") != kbuild.source_hash(kdir):
+        return Probe("build provenance", FAIL, f"kernel sources changed since the build: {', '.join(changed) or '?'}",
+                     details)
+    sass = info.get("archs", [])
+    need = sorted(set(local_archs) | {target_arch})
+    missing = [a for a in need if a not in sass]
+    if missing:
+        return Probe("build provenance", FAIL, f"library has no SASS for {', '.join(missing)} (built for "
+                     f"{', '.join(sass)})", details)
+    head = _git(repo, "rev-parse", "HEAD")
+    notes = []
+    if info.get("git_sha") != head:
+        notes.append(f"built at {str(info.get('git_sha'))[:12]}, HEAD is {str(head)[:12]} (same kernel sources)")
+    if info.get("git_dirty"):
+        notes.append("built from a dirty tree (same kernel sources as now)")
+    if notes:
+        return Probe("build provenance", WARN, "; ".join(notes), details)
+    return Probe("build provenance", PASS, f"{lib.name}: sources {info['source_hash'][:12]} at HEAD, "
+                 f"archs {', '.join(sass)}", details)
+
+
+# -------------------------------------------------------------------------------------------- vectors
+def probe_vectors(repo: Path, suites: tuple) -> Probe:
+    from kdev import vectors
+    from kdev.errors import KdevError
+
+    problems, ok = [], []
+    for name in suites:
+        try:
+            s = vectors.open_suite(name, root=repo / "vectors")
+            s.check_integrity()
+            ok.append(f"{name} ({len(s.cases)} cases)")
+        except KdevError as e:
+            problems.append(str(e))
+    if problems:
+        return Probe("vectors", FAIL, problems[0], {"problems": problems})
+    return Probe("vectors", PASS, f"intact and current: {', '.join(ok)}")
+
+
+# --------------------------------------------------------------------------------------------- ledger
+def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=None) -> Probe:
+    from kdev import build as kbuild
+    from kdev import verify
+
+    src = kbuild.source_hash(repo / "kernels")
+    records = verify.read_records(ledger or repo / ".kdev" / "ledger")
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+
+    def covers(r: dict) -> bool:
+        k = r.get("kernels", {})
+        return (r.get("passed") and r.get("kind") == "suite" and r.get("source_hash") == src
+                and r.get("suite", {}).get("name") in cfg.required_suites
+                and all(k.get(n, {}).get("passed") for n in cfg.required_kernels))
+
+    good = [r for r in records if covers(r)]
+    missing_suites = [s for s in cfg.required_suites if not any(r["suite"]["name"] == s for r in good)]
+    if missing_suites and not good:
+        n_src = sum(r.get("source_hash") == src for r in records)
+        return Probe("ledger", FAIL, f"no passing 'kdev verify' of sources {src[:12]} for suites "
+                     f"{', '.join(missing_suites)} with kernels {', '.join(cfg.required_kernels)} "
+                     f"({len(records)} record(s), {n_src} for these sources)")
+    on_target = [r for r in good if r.get("gpu", {}).get("arch") == cfg.target_arch]
+    newest = max(on_target or good, key=lambda r: r["timestamp"])
+    age = now - _dt.datetime.fromisoformat(newest["timestamp"])
+    age_s = f"{age.total_seconds() / 3600:.1f} h ago" if age.days < 2 else f"{age.days} days ago"
+    details = {"record": newest.get("_file"), "gpu": newest.get("gpu"), "age_hours": age.total_seconds() / 3600}
+    if missing_suites:
+        return Probe("ledger", FAIL, f"no passing verify for suites {', '.join(missing_suites)}", details)
+    where = f"{newest['gpu'].get('name')} ({newest['gpu'].get('arch')})"
+    if not on_target:
+        archs = sorted({r["gpu"].get("arch") for r in good})
+        return Probe("ledger", WARN, f"verified only on {', '.join(archs)} ({where}, {age_s}); no passing verify on "
+                     f"the target {cfg.target_arch}", details)
+    if age.days > cfg.max_ledger_age_days:
+        return Probe("ledger", WARN, f"last passing verify on {where} is {age_s}", details)
+    return Probe("ledger", PASS, f"verified on {where}, {age_s}", details)
+
+
+# ----------------------------------------------------------------------------------------------- GPUs
+def _call(fn, *args, default=None):
+    try:
+        return fn(*args)
+    except Exception:
+        return default
+
+
+def _s(x):
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def probe_gpus(nvml, headroom_gib: float, require_gpu: bool) -> list[Probe]:
+    """One probe per GPU. nvml is pynvml (or a fake with the same functions), or None."""
+    missing = FAIL if require_gpu else WARN
+    if nvml is None:
+        return [Probe("gpu", missing, "NVML not available (no driver or no nvidia-ml-py): GPU state not checked")]
+    count = _call(nvml.nvmlDeviceGetCount, default=0)
+    if not count:
+        return [Probe("gpu", missing, "no GPU found by NVML")]
+    driver = _s(_call(nvml.nvmlSystemGetDriverVersion, default="?"))
+    probes = []
+    for i in range(count):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        name = _s(_call(nvml.nvmlDeviceGetName, h, default="?"))
+        cc = _call(nvml.nvmlDeviceGetCudaComputeCapability, h)
+        arch = f"sm_{cc[0]}{cc[1]}" if cc else "?"
+        mem = _call(nvml.nvmlDeviceGetMemoryInfo, h)
+        procs = _call(nvml.nvmlDeviceGetComputeRunningProcesses, h, default=[]) or []
+        ecc = _call(nvml.nvmlDeviceGetTotalEccErrors, h, getattr(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                    getattr(nvml, "NVML_VOLATILE_ECC", 0))
+        retired_pending = _call(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        remap = _call(nvml.nvmlDeviceGetRemappedRows, h)  # (corrected, uncorrected, pending, failure)
+        reasons = _call(nvml.nvmlDeviceGetCurrentClocksEventReasons, h)
+        if reasons is None:
+            reasons = _call(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, h, default=0)
+        persistence = _call(nvml.nvmlDeviceGetPersistenceMode, h)
+        bad_reasons = [n for n, bit in (("sw-power-cap", 0x4), ("hw-slowdown", 0x8), ("sw-thermal", 0x20),
+                                         ("hw-thermal", 0x40), ("hw-power-brake", 0x80)) if reasons and reasons & bit]
+        free_gib = mem.free / 2**30 if mem else None
+        details = {"index": i, "name": name, "arch": arch, "driver": driver,
+                   "memory_free_gib": free_gib, "memory_total_gib": mem.total / 2**30 if mem else None,
+                   "compute_processes": len(procs), "uncorrected_ecc": ecc, "retired_pages_pending": retired_pending,
+                   "remapped_rows": list(remap) if remap else None, "clock_event_reasons": bad_reasons,
+                   "persistence_mode": persistence}
+        fails, warns = [], []
+        if ecc:
+            fails.append(f"{ecc} uncorrected ECC error(s)")
+        if retired_pending:
+            fails.append("retired pages pending (reset needed)")
+        if remap and (remap[2] or remap[3]):
+            fails.append("row remapping pending or failed")
+        if free_gib is not None and free_gib < headroom_gib:
+            fails.append(f"{free_gib:.1f} GiB free < {headroom_gib:g} GiB headroom")
+        if bad_reasons:
+            warns.append("clocks held back: " + ", ".join(bad_reasons))
+        if procs:
+            warns.append(f"{len(procs)} compute process(es) running")
+        if persistence == 0:
+            warns.append("persistence mode off")
+        head = f"GPU {i} {name} ({arch}), driver {driver}"
+        status = FAIL if fails else WARN if warns else PASS
+        tail = "; ".join(fails + warns) or (f"{free_gib:.0f} GiB free, no ECC errors, clocks free" if free_gib else "ok")
+        probes.append(Probe(f"gpu {i}", status, f"{head}: {tail}", details))
+    return probes
+
+
+# ------------------------------------------------------------------------------------------ toolchain
+def probe_toolchain(repo: Path) -> Probe:
+    from kdev import build as kbuild
+    from kdev.errors import EnvironmentMissing
+
+    _, info, _ = library_info(repo)
+    try:
+        ver = kbuild.nvcc_version(kbuild.find_nvcc())
+    except EnvironmentMissing:
+        return Probe("toolchain", WARN, "nvcc not found: cannot compare with the build's nvcc")
+    built = info.get("nvcc_version") if info else None
+    if built is None:
+        return Probe("toolchain", WARN, f"nvcc {ver}; no build info to compare with")
+    if built != ver:
+        return Probe("toolchain", WARN, f"nvcc {ver} here, library built with {built}")
+    return Probe("toolchain", PASS, f"nvcc {ver}, as in the build")
+
+
+def run_checks(repo: Path, target: str | None = None, require_gpu: bool = False, nvml=None,
+               ledger: Path | None = None) -> tuple[list[Probe], DeployConfig]:
+    from kdev import gpu
+
+    import os
+
+    repo = Path(repo).resolve()
+    ledger = ledger or (Path(os.environ["KDEV_LEDGER"]) if os.environ.get("KDEV_LEDGER") else None)
+    cfg = load_deploy(repo, target)
+    nv = nvml if nvml is not None else gpu.load_nvml()
+    gpu_probes = probe_gpus(nv, cfg.memory_headroom_gib, require_gpu)
+    local_archs = sorted({p.details["arch"] for p in gpu_probes if p.details.get("arch", "?") != "?"})
+    probes = [probe_git(repo), probe_build(repo, cfg.target_arch, local_archs), probe_vectors(repo, cfg.required_suites),
+              probe_ledger(repo, cfg, ledger), *gpu_probes, probe_toolchain(repo)]
+    return probes, cfg
