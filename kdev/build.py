@@ -272,7 +272,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     t0 = time.time()
     folder.mkdir(parents=True, exist_ok=True)
     info = {
-        **git_state(),
+        **git_state(kernel_dir.parent),
         "source_hash": src_hash,
         "sources": source_hashes(kernel_dir),
         "nvcc_version": ver,
