@@ -253,3 +253,104 @@ class Library:
             torch.cuda.current_stream().synchronize()
         del ws
         return out, lse
+
+
+# ------------------------------------------------------------------------------------------ DDTree kernels
+class DDTreeBuildParams(ctypes.Structure):
+    """Mirror of DDTreeBuildParams in kernels/include/kdev/ddtree.cuh."""
+
+    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("depth", ctypes.c_int32),
+                ("topk", ctypes.c_int32), ("budget", ctypes.c_int32), ("mask_words", ctypes.c_int32),
+                ("log_probs", ctypes.c_void_p), ("token_ids", ctypes.c_void_p), ("root_tokens", ctypes.c_void_p),
+                ("prefix_lens", ctypes.c_void_p), ("node_tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p),
+                ("depths", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("tree_mask", ctypes.c_void_p),
+                ("node_count", ctypes.c_void_p)]
+
+
+class AcceptParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("t_stride", ctypes.c_int32),
+                ("node_tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p), ("node_count", ctypes.c_void_p),
+                ("target_argmax", ctypes.c_void_p), ("accepted", ctypes.c_void_p), ("accept_len", ctypes.c_void_p),
+                ("bonus_token", ctypes.c_void_p)]
+
+
+class CompactParams(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("t_stride", ctypes.c_int32),
+                ("page_size", ctypes.c_int32), ("max_pages", ctypes.c_int32), ("num_pages", ctypes.c_int32),
+                ("kv_cache", ctypes.c_void_p), ("page_table", ctypes.c_void_p), ("prefix_lens", ctypes.c_void_p),
+                ("accepted", ctypes.c_void_p), ("accept_len", ctypes.c_void_p)]
+
+
+def _i32(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    _check(name, t, torch.int32, len(shape), device, 4)
+    if tuple(t.shape) != shape:
+        raise AbiArgumentError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+
+
+class TreeKernels:
+    """The DDTree build, greedy accept and KV compaction entry points of a loaded Library."""
+
+    def __init__(self, lib: Library):
+        self.lib = lib
+        L = lib.lib
+        for fn, st in (("kdtree_build_ddtree", DDTreeBuildParams), ("kdtree_accept_greedy", AcceptParams),
+                       ("kdtree_compact_kv", CompactParams)):
+            getattr(L, fn).argtypes = [ctypes.POINTER(st), ctypes.c_void_p]
+            getattr(L, fn).restype = ctypes.c_int
+
+    def _call(self, fn: str, p) -> None:
+        s = torch.cuda.current_stream()
+        self.lib._status(fn, getattr(self.lib.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
+
+    def build_ddtree(self, log_probs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor,
+                     prefix_lens: torch.Tensor, budget: int) -> dict:
+        """Padded outputs [B, 1 + budget] (node_tokens, parents, depths, positions), tree_mask
+        [B, 1 + budget, W] (int64 bits) and node_count [B]; outputs are poisoned before the call."""
+        dev = log_probs.device
+        _check("log_probs", log_probs, torch.float32, 3, dev, 4)
+        B, D, K = log_probs.shape
+        _i32("token_ids", token_ids, (B, D, K), dev)
+        _i32("root_tokens", root_tokens, (B,), dev)
+        _i32("prefix_lens", prefix_lens, (B,), dev)
+        t = 1 + budget
+        W = (t + 63) // 64
+        out = {k: torch.full((B, t), -7777, dtype=torch.int32, device=dev)
+               for k in ("node_tokens", "parents", "depths", "positions")}
+        out["tree_mask"] = torch.full((B, t, W), -1, dtype=torch.int64, device=dev)
+        out["node_count"] = torch.full((B,), -7777, dtype=torch.int32, device=dev)
+        p = DDTreeBuildParams(ctypes.sizeof(DDTreeBuildParams), B, D, K, budget, W, log_probs.data_ptr(),
+                              token_ids.data_ptr(), root_tokens.data_ptr(), prefix_lens.data_ptr(),
+                              *(out[k].data_ptr() for k in ("node_tokens", "parents", "depths", "positions",
+                                                             "tree_mask", "node_count")))
+        self._call("kdtree_build_ddtree", p)
+        return out
+
+    def accept_greedy(self, node_tokens, parents, node_count, target_argmax):
+        """Padded [B, T] inputs -> (accepted [B, T] with -1 after the end, accept_len [B], bonus [B])."""
+        dev = node_tokens.device
+        B, T = node_tokens.shape
+        for name, t in (("node_tokens", node_tokens), ("parents", parents), ("target_argmax", target_argmax)):
+            _i32(name, t, (B, T), dev)
+        _i32("node_count", node_count, (B,), dev)
+        accepted = torch.full((B, T), -7777, dtype=torch.int32, device=dev)
+        length = torch.full((B,), -7777, dtype=torch.int32, device=dev)
+        bonus = torch.full((B,), -7777, dtype=torch.int32, device=dev)
+        p = AcceptParams(ctypes.sizeof(AcceptParams), B, T, node_tokens.data_ptr(), parents.data_ptr(),
+                         node_count.data_ptr(), target_argmax.data_ptr(), accepted.data_ptr(), length.data_ptr(),
+                         bonus.data_ptr())
+        self._call("kdtree_accept_greedy", p)
+        return accepted, length, bonus
+
+    def compact_kv(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> None:
+        """In place: accepted node i's KV row moves to slot prefix_len + i."""
+        dev = kv_cache.device
+        _check("kv_cache", kv_cache, torch.bfloat16, 3, dev)
+        B, T = accepted.shape
+        _i32("accepted", accepted, (B, T), dev)
+        _i32("accept_len", accept_len, (B,), dev)
+        _i32("prefix_lens", prefix_lens, (B,), dev)
+        _check("page_table", page_table, torch.int32, 2, dev, 4)
+        p = CompactParams(ctypes.sizeof(CompactParams), B, T, kv_cache.shape[1], page_table.shape[1],
+                          kv_cache.shape[0], kv_cache.data_ptr(), page_table.data_ptr(), prefix_lens.data_ptr(),
+                          accepted.data_ptr(), accept_len.data_ptr())
+        self._call("kdtree_compact_kv", p)

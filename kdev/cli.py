@@ -183,7 +183,8 @@ def _write_json_file(path: Optional[Path], doc: dict) -> None:
 @command
 def verify_cmd(
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
-    kernel: str = typer.Option("naive,flash", "--kernel", help="Comma-separated verify kernels to run."),
+    kernel: str = typer.Option("naive,flash", "--kernel",
+                               help="Comma-separated kernels: naive, flash (attention); ddtree, accept, compact."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),
@@ -200,7 +201,7 @@ def verify_cmd(
 
     from kdev import abi, gpu, verify
 
-    kernels = _kernel_list(kernel, abi.VERIFY_KERNELS)
+    kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
     gpu.require_cuda("kdev verify")
     if fuzz:
         seed = seed if seed is not None else secrets.randbits(31)
@@ -222,8 +223,9 @@ def verify_cmd(
         rows = []
         for r in run.results:
             vs = "" if r.against == "golden" else f" vs {r.against}"
-            if r.error:
-                rows.append([r.case, r.kernel + vs, "-", "-", "-", "-", "[red]ERROR[/]"])
+            if r.out is None:  # an error, or an exact-equality kernel
+                rows.append([r.case, r.kernel + vs, "-", "-", "-", r.error or r.note,
+                             "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
                 continue
             rows.append([r.case, r.kernel + vs, report.fmt_float(r.out.max_abs), f"{r.out.cos_diff:.1e}",
                          report.fmt_float(r.lse.max_abs), r.token.label(),

@@ -6,6 +6,9 @@ generator sources, seeds, case specs, shapes, dtypes, tolerances, sha256 per fil
   tree    tree_tokens, tree_parents, tree_depths, tree_positions     ([N_q], in q_indptr order)
           drafter_log_probs, drafter_token_ids                       ([B, D, K], DDTree cases only)
   golden  out (float32), lse (float64), computed in float64 from the bf16-rounded inputs
+  accept  accept_target ([N_q], the target's argmax per node), accept_nodes ([B, T_max], -1 padded),
+          accept_len, bonus_token ([B]), compact_rows ([Σ accept_len, 576] bf16: the rows in slots
+          prefix_len.. after KV compaction)
 tree_mask holds the uint64 words as int64 (same bits): safetensors readers handle int64 everywhere.
 The golden out is stored in float32 (its storage rounding, 2^-24 relative, is five orders of magnitude
 under the bf16 tolerances) so that the committed smoke suite stays small; --check allows exactly that
@@ -44,6 +47,7 @@ MANIFEST = "manifest.yaml"
 INPUT_KEYS = ("q", "kv_cache", "page_table", "prefix_lens", "q_indptr", "tree_mask")
 TREE_KEYS = ("tree_tokens", "tree_parents", "tree_depths", "tree_positions")
 GOLDEN_KEYS = ("out", "lse")
+ACCEPT_KEYS = ("accept_target", "accept_nodes", "accept_len", "bonus_token", "compact_rows")
 _GENERATOR_SOURCES = ("mla.py", "ddtree.py", "vectors.py")
 
 
@@ -157,7 +161,46 @@ def generate_case(spec: CaseSpec, device: str = "cpu") -> CaseData:
     out, lse = mla.reference_verify_attn(q, kv_cache, page_table, tensors["prefix_lens"], q_indptr, tree_mask,
                                          scale, device=device)
     tensors["out"], tensors["lse"] = out.cpu().to(torch.float32), lse.cpu()
+    tensors.update(accept_goldens(rng, trees, spec.prefix_lens, kv_cache, page_table))
     return CaseData(spec, tensors, scale, {"out": out.cpu(), "lse": lse.cpu()})
+
+
+def accept_goldens(rng: np.random.Generator, trees: list, prefix_lens, kv_cache: torch.Tensor,
+                   page_table: torch.Tensor) -> dict:
+    """Golden outputs of the greedy accept walk and the KV compaction for a case. The target's argmax at a
+    node is the token of one of its children 3 times in 4 (so walks go deep), else a random token.
+    accept_nodes is padded to [B, T_max] with -1; compact_rows holds, request after request, the rows that
+    land in slots prefix_len .. prefix_len + accept_len - 1 after compaction."""
+    t_max = max(t.size for t in trees)
+    targets, nodes, lens, bonus, rows = [], [], [], [], []
+    kv_bits = kv_cache.view(torch.int16).numpy()
+    for b, tree in enumerate(trees):
+        children = [[] for _ in range(tree.size)]
+        for i in range(1, tree.size):
+            children[int(tree.parents[i])].append(i)
+        tgt = np.empty(tree.size, np.int64)
+        for i in range(tree.size):
+            if children[i] and rng.random() < 0.75:
+                tgt[i] = tree.tokens[children[i][int(rng.integers(0, len(children[i])))]]
+            else:
+                tgt[i] = rng.integers(0, 32000)
+        acc = ddtree.accept_greedy(tree, tgt)
+        compacted = ddtree.compact_kv(kv_bits, page_table[b].numpy(), int(prefix_lens[b]), acc.nodes)
+        page_size = kv_cache.shape[1]
+        for i in range(len(acc.nodes)):
+            pos = int(prefix_lens[b]) + i
+            rows.append(compacted[int(page_table[b, pos // page_size]), pos % page_size])
+        targets.append(tgt)
+        nodes.append(np.pad(acc.nodes, (0, t_max - len(acc.nodes)), constant_values=-1))
+        lens.append(len(acc.nodes))
+        bonus.append(acc.bonus_token)
+    return {
+        "accept_target": torch.from_numpy(np.concatenate(targets).astype(np.int32)),
+        "accept_nodes": torch.from_numpy(np.stack(nodes).astype(np.int32)),
+        "accept_len": torch.tensor(lens, dtype=torch.int32),
+        "bonus_token": torch.tensor(bonus, dtype=torch.int32),
+        "compact_rows": torch.from_numpy(np.stack(rows)).view(torch.bfloat16),
+    }
 
 
 def trees_of(tensors: dict) -> list[ddtree.Tree]:
@@ -275,7 +318,7 @@ class Suite:
             tensors = st_load(data)
         except SafetensorError as e:
             raise BadInput(f"{f}: unreadable safetensors file: {e}") from None
-        missing = [k for k in INPUT_KEYS + TREE_KEYS + GOLDEN_KEYS if k not in tensors]
+        missing = [k for k in INPUT_KEYS + TREE_KEYS + GOLDEN_KEYS + ACCEPT_KEYS if k not in tensors]
         if missing:
             raise BadInput(f"{f}: missing tensors {', '.join(missing)}")
         return tensors
@@ -352,8 +395,8 @@ def check_suite(spec: SuiteSpec, suite: Suite, device: str = "cpu", rel_tol: flo
                 excess = ((s.double() - fresh64).abs() - storage).max().item()
                 if not excess <= rel_tol * ref:
                     bad.append(f"{k} (relative error {excess / ref:.2e} beyond storage rounding)")
-            elif not torch.equal(s.view(torch.uint8) if s.dtype == torch.bfloat16 else s,
-                                 v.view(torch.uint8) if v.dtype == torch.bfloat16 else v):
+            elif not torch.equal(s.view(torch.int16) if s.dtype == torch.bfloat16 else s,
+                                 v.view(torch.int16) if v.dtype == torch.bfloat16 else v):
                 bad.append(k)
         extra = sorted(set(stored) - set(fresh))
         bad += [f"{k} (unexpected)" for k in extra]

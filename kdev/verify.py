@@ -31,6 +31,7 @@ from kdev.fsutil import atomic_write_bytes
 
 LEDGER_SCHEMA = 1
 FUZZ_SUITE = "fuzz-failures"
+TREE_KERNELS = ("ddtree", "accept", "compact")  # exact-equality kernels of the decoding round
 
 
 # ---------------------------------------------------------------------------------------- token-exact
@@ -136,10 +137,11 @@ class CaseResult:
     token: TokenResult | None = None
     repeat_identical: bool | None = None
     error: str = ""
+    note: str = ""  # what an exact-equality check compared
 
     def to_dict(self) -> dict:
         d = {"case": self.case, "kernel": self.kernel, "against": self.against, "passed": self.passed,
-             "repeat_identical": self.repeat_identical, "error": self.error}
+             "repeat_identical": self.repeat_identical, "error": self.error, "note": self.note}
         for k in ("out", "lse", "token"):
             v = getattr(self, k)
             d[k] = v.to_dict() if v is not None else None
@@ -154,9 +156,88 @@ def _cuda_sync_ok() -> str:
         return f"CUDA error after launch: {e}"
 
 
+def _padded(flat: torch.Tensor, indptr: list[int], t_max: int, fill: int) -> torch.Tensor:
+    """[N_q] in q_indptr layout -> [B, t_max] padded with `fill`."""
+    out = torch.full((len(indptr) - 1, t_max), fill, dtype=torch.int32, device=flat.device)
+    for b in range(len(indptr) - 1):
+        out[b, :indptr[b + 1] - indptr[b]] = flat[indptr[b]:indptr[b + 1]].to(torch.int32)
+    return out
+
+
+def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict, device) -> CaseResult | None:
+    """ddtree / accept / compact against the reference's golden outputs: exact equality. None when the
+    case has nothing for this kernel (ddtree needs drafter distributions)."""
+    ind = tensors["q_indptr"].tolist()
+    sizes = [b - a for a, b in zip(ind[:-1], ind[1:])]
+    B, t_max = len(sizes), max(sizes)
+    t = {k: v.to(device) for k, v in tensors.items()}
+    bad = []
+    if kernel == "ddtree":
+        if "drafter_log_probs" not in tensors or len(set(sizes)) != 1:
+            return None
+        roots = t["tree_tokens"][ind[:-1]].to(torch.int32)
+        got = tk.build_ddtree(t["drafter_log_probs"].float().contiguous(), t["drafter_token_ids"].to(torch.int32).contiguous(),
+                              roots, t["prefix_lens"], t_max - 1)
+        torch.cuda.synchronize()
+        if got["node_count"].tolist() != sizes:
+            bad.append(f"node_count {got['node_count'].tolist()} != {sizes}")
+        for key, ref in (("node_tokens", "tree_tokens"), ("parents", "tree_parents"), ("depths", "tree_depths"),
+                         ("positions", "tree_positions")):
+            if not torch.equal(got[key].flatten().long(), t[ref].long()):
+                bad.append(f"{key} differ at {int((got[key].flatten().long() != t[ref].long()).sum())} node(s)")
+        if not torch.equal(got["tree_mask"].reshape(B * t_max, -1), t["tree_mask"]):
+            bad.append("tree_mask differs")
+        note = f"{B} tree(s) of {t_max} nodes equal"
+    elif kernel == "accept":
+        tokens = _padded(t["tree_tokens"], ind, t_max, -1)
+        parents = _padded(t["tree_parents"], ind, t_max, -1)
+        target = _padded(t["accept_target"], ind, t_max, -1)
+        acc, length, bonus = tk.accept_greedy(tokens, parents, torch.tensor(sizes, dtype=torch.int32, device=device), target)
+        torch.cuda.synchronize()
+        if not torch.equal(acc, t["accept_nodes"]):
+            bad.append("accepted nodes differ")
+        if not torch.equal(length, t["accept_len"]):
+            bad.append(f"accept_len {length.tolist()} != {t['accept_len'].tolist()}")
+        if not torch.equal(bonus, t["bonus_token"]):
+            bad.append(f"bonus {bonus.tolist()} != {t['bonus_token'].tolist()}")
+        note = f"accepted lengths {t['accept_len'].tolist()} equal"
+    else:  # compact
+        kv = t["kv_cache"].clone()
+        tk.compact_kv(kv, t["page_table"], t["prefix_lens"], t["accept_nodes"], t["accept_len"])
+        torch.cuda.synchronize()
+        want = t["kv_cache"].clone()
+        rows = t["compact_rows"]
+        r, ps = 0, kv.shape[1]
+        for b in range(B):
+            L = int(tensors["prefix_lens"][b])
+            for i in range(int(tensors["accept_len"][b])):
+                want[int(tensors["page_table"][b, (L + i) // ps]), (L + i) % ps] = rows[r]
+                r += 1
+        diff = kv.view(torch.int16) != want.view(torch.int16)  # bitwise, NaN slots included
+        if bool(diff.any()):
+            bad.append(f"{int(diff.any(-1).sum())} KV row(s) differ from the reference compaction")
+        note = f"{r} row(s) moved, rest of the cache bit-identical"
+    return CaseResult(name, kernel, "golden", not bad, error="; ".join(bad), note=note)
+
+
 def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: Tolerances, kernels: list[str],
                repeat: int, proj_cache: dict, device) -> list[CaseResult]:
-    """Run every kernel on one case; results against the golden, then each kernel against the first."""
+    """Run every kernel on one case; results against the golden, then each attention kernel against the
+    first one."""
+    results = []
+    tree_kernels = [k for k in kernels if k in TREE_KERNELS]
+    if tree_kernels:
+        tk = abi.TreeKernels(lib)
+        for k in tree_kernels:
+            try:
+                r = check_tree_kernel(tk, k, name, tensors, device)
+            except abi.KernelError as e:
+                r = CaseResult(name, k, "golden", False, error=str(e))
+            if r is not None:
+                results.append(r)
+    kernels = [k for k in kernels if k not in TREE_KERNELS]
+    if not kernels:
+        return results
     x = abi.VerifyInputs.from_case(tensors, scale, device)
     trees = vectors.trees_of(tensors)
     heads = x.q.shape[1]
@@ -165,7 +246,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
     if proj is None:
         proj = proj_cache[(heads, vocab)] = TokenProjector(heads, vocab, device)
     golden_out = tensors["out"].to(device)
-    results, outputs = [], {}
+    outputs = {}
     for kernel in kernels:
         try:
             out, lse = lib.run(kernel, x, sync=False)

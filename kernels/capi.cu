@@ -10,7 +10,10 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
+#include <utility>
 
+#include "kdev/ddtree.cuh"
 #include "kdev/verify_attn.cuh"
 
 namespace {
@@ -87,6 +90,15 @@ int validate(const VerifyAttnParams* p) {
   return KDTREE_OK;
 }
 
+int check_ptrs(std::initializer_list<std::pair<const void*, const char*>> ptrs, size_t align) {
+  for (const auto& a : ptrs) {
+    if (a.first == nullptr) return fail(KDTREE_ERR_INVALID, "%s is NULL", a.second);
+    if (!aligned(a.first, align)) return fail(KDTREE_ERR_INVALID, "%s is not %zu-byte aligned", a.second, align);
+    if (!is_device_pointer(a.first)) return fail(KDTREE_ERR_INVALID, "%s is not device memory", a.second);
+  }
+  return KDTREE_OK;
+}
+
 int current_sm_count(int* sm_count) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -155,6 +167,68 @@ int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
   }
   cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_flash launch");
+  return KDTREE_OK;
+}
+
+// ------------------------------------------------------------------------------------------ DDTree kernels
+int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
+  if (p->struct_size != sizeof(DDTreeBuildParams))
+    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(DDTreeBuildParams));
+  if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
+  if (p->depth < 1 || p->depth > KDTREE_MAX_DEPTH)
+    return fail(KDTREE_ERR_INVALID, "depth %d outside 1..%d", p->depth, KDTREE_MAX_DEPTH);
+  if (p->topk < 1 || p->topk > KDTREE_MAX_TOPK)
+    return fail(KDTREE_ERR_INVALID, "topk %d outside 1..%d", p->topk, KDTREE_MAX_TOPK);
+  if (p->budget < 1 || p->budget > KDTREE_MAX_QLEN - 1)
+    return fail(KDTREE_ERR_INVALID, "budget %d outside 1..%d", p->budget, KDTREE_MAX_QLEN - 1);
+  if (p->mask_words < (p->budget + 1 + 63) / 64)
+    return fail(KDTREE_ERR_INVALID, "mask_words %d < ceil((1 + budget) / 64)", p->mask_words);
+  if (int st = check_ptrs({{p->log_probs, "log_probs"}, {p->token_ids, "token_ids"}, {p->root_tokens, "root_tokens"},
+                           {p->prefix_lens, "prefix_lens"}, {p->node_tokens, "node_tokens"}, {p->parents, "parents"},
+                           {p->depths, "depths"}, {p->positions, "positions"}, {p->node_count, "node_count"}}, 4))
+    return st;
+  if (int st = check_ptrs({{p->tree_mask, "tree_mask"}}, 8)) return st;
+  cudaError_t err = kdtree::launch_build_ddtree(*p, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "build_ddtree launch");
+  return KDTREE_OK;
+}
+
+int kdtree_accept_greedy(const AcceptParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
+  if (p->struct_size != sizeof(AcceptParams))
+    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(AcceptParams));
+  if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
+  if (p->t_stride < 1 || p->t_stride > KDTREE_MAX_QLEN)
+    return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
+  if (int st = check_ptrs({{p->node_tokens, "node_tokens"}, {p->parents, "parents"}, {p->node_count, "node_count"},
+                           {p->target_argmax, "target_argmax"}, {p->accepted, "accepted"}, {p->accept_len, "accept_len"},
+                           {p->bonus_token, "bonus_token"}}, 4))
+    return st;
+  cudaError_t err = kdtree::launch_accept_greedy(*p, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "accept_greedy launch");
+  return KDTREE_OK;
+}
+
+int kdtree_compact_kv(const CompactParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
+  if (p->struct_size != sizeof(CompactParams))
+    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(CompactParams));
+  if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
+  if (p->t_stride < 1 || p->t_stride > KDTREE_MAX_QLEN)
+    return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
+  if (p->page_size < 1 || (p->page_size & (p->page_size - 1)) != 0)
+    return fail(KDTREE_ERR_INVALID, "page_size %d is not a power of two", p->page_size);
+  if (p->max_pages < 1 || p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "max_pages / num_pages < 1");
+  if (int st = check_ptrs({{p->kv_cache, "kv_cache"}}, 16)) return st;
+  if (int st = check_ptrs({{p->page_table, "page_table"}, {p->prefix_lens, "prefix_lens"}, {p->accepted, "accepted"},
+                           {p->accept_len, "accept_len"}}, 4))
+    return st;
+  cudaError_t err = kdtree::launch_compact_kv(*p, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "compact_kv launch");
   return KDTREE_OK;
 }
 

@@ -32,8 +32,8 @@ python3 -m kdev build --arch sm_90 --json > "$OUT/build.json" 2>/dev/null
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -x
 fi
-step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash --repeat 3 --out-json "$OUT/verify-smoke.json"
-step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash --out-json "$OUT/verify-fuzz.json"
+step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
+step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
