@@ -37,7 +37,7 @@ step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtr
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
-      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash
+      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash,ddtree,accept,compact
   done
 fi
 step ceilings python3 -m kdev bench --ceilings
