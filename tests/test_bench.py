@@ -1,0 +1,107 @@
+"""bench without a GPU: FLOP and byte counts, sweep expansion and overrides, baseline verdicts and exit code,
+plots and CSV from a stored result."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kdev import bench
+from kdev.cli import app
+from kdev.errors import BadInput
+
+
+def test_flops_and_bytes_match_the_design_formula():
+    flops, nbytes = bench.flops_bytes([65], [32768], 8)
+    assert flops == 2 * 8 * 65 * (32768 + 65) * 1088
+    assert nbytes == (32768 + 65) * 576 * 2 + 65 * 8 * 576 * 2 + 65 * 8 * 512 * 2
+    # the issue's floor for B1 L32K T65 H8 at 638 TFLOP/s: 58 µs
+    assert round(flops / 638e12 * 1e6) == 58
+    f4, _ = bench.flops_bytes([65] * 4, [32768] * 4, 8)
+    assert f4 == 4 * flops
+
+
+def test_sweeps_expand_and_override():
+    cfg = bench.load_bench()
+    assert {"smoke", "targets", "ddtree", "grid"} <= set(cfg.sweeps)
+    ddtree = bench.expand(cfg, "ddtree", None, None)
+    names = {s.name for s in ddtree}
+    assert "B1-L32768-N64-H8-p64" in names and "B16-L32768-N64-H8-p64" in names and "B1-L32768-N64-H8-p1" in names
+    assert {s.prefix for s in ddtree} == {1024, 4096, 16384, 32768, 131072}
+    assert len(bench.expand(cfg, "grid", None, None)) == 225
+    over = bench.expand(cfg, "smoke", None, ["H=8,64"])
+    assert sorted({s.heads for s in over}) == [8, 64] and len(over) == 2 * len(bench.expand(cfg, "smoke", None, None))
+    one = bench.expand(cfg, None, ["B=2,L=100,N=5,H=3,page=1"], None)
+    assert one == [bench.Shape(batch=2, prefix=100, budget=5, heads=3, page_size=1)]
+
+
+@pytest.mark.parametrize("bad", [["X=1"], ["H=abc"], ["H"]])
+def test_bad_overrides(bad):
+    with pytest.raises(BadInput):
+        bench.expand(bench.load_bench(), "smoke", None, bad)
+
+
+def test_unknown_sweep():
+    with pytest.raises(BadInput, match="no sweep named 'nope'"):
+        bench.expand(bench.load_bench(), "nope", None, None)
+
+
+def _result(shape, backend, median, rel_sem=0.002, floor=50.0):
+    return {"shape": shape, "axes": {"batch": 1, "prefix": int(shape.split("-L")[1].split("-")[0]), "budget": 64,
+                                     "heads": 8, "page_size": 64, "tree": "ddtree"},
+            "backend": backend, "flops": 1e12, "bytes": 1e8, "floor_us": floor, "bound": "compute", "agrees": True,
+            "check": "ok", "splits": None,
+            "timing": {"median_us": median, "p10_us": median * 0.99, "p90_us": median * 1.01, "samples": 20,
+                       "rel_sem": rel_sem, "dropped_throttled": 0, "stop": "spread", "sm_clock_mhz": [1980, 1980]}}
+
+
+def _doc(results):
+    return {"provenance": {"gpu": {"name": "NVIDIA H200", "arch": "sm_90"}, "ceilings": None}, "sweep": "t",
+            "results": results}
+
+
+def test_baseline_verdicts():
+    base = [_result("B1-L1024-N64-H8-p64", "flash", 100.0), _result("B1-L4096-N64-H8-p64", "flash", 100.0),
+            _result("B1-L8192-N64-H8-p64", "flash", 100.0, rel_sem=0.05)]
+    cur = [_result("B1-L1024-N64-H8-p64", "flash", 110.0), _result("B1-L4096-N64-H8-p64", "flash", 90.0),
+           _result("B1-L8192-N64-H8-p64", "flash", 110.0, rel_sem=0.05)]
+    v = {x["shape"]: x["verdict"] for x in bench.baseline_verdicts(cur, base)}
+    # +10 % with 0.3 % noise is a regression; -10 % is faster; +10 % inside 3 sigma of 7 % noise is the same
+    assert v == {"B1-L1024-N64-H8-p64": "SLOW", "B1-L4096-N64-H8-p64": "FAST", "B1-L8192-N64-H8-p64": "SAME"}
+
+
+def test_baseline_regression_exits_1_and_plot_and_csv(tmp_path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0),
+                                    _result("B1-L4096-N64-H8-p64", "flash", 300.0)])))
+    new.write_text(json.dumps(_doc([_result("B1-L1024-N64-H8-p64", "flash", 101.0),
+                                    _result("B1-L4096-N64-H8-p64", "flash", 300.5)])))
+    runner = CliRunner()
+    r = runner.invoke(app, ["bench", "--from", str(new), "--baseline", str(old), "--csv", str(tmp_path / "r.csv")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "r.csv").read_text().count("\n") == 3
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(_doc([_result("B1-L1024-N64-H8-p64", "flash", 150.0)])))
+    r = runner.invoke(app, ["bench", "--from", str(slow), "--baseline", str(old), "--json"])
+    assert r.exit_code == 1
+    assert json.loads(r.stdout)["baseline"]["verdicts"][0]["verdict"] == "SLOW"
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    r = runner.invoke(app, ["bench", "--from", str(new), "--plot", str(png), "--plot-metric", "roofline"])
+    assert r.exit_code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_stored_result_is_exit_2(tmp_path):
+    f = tmp_path / "x.json"
+    f.write_text("{}")
+    r = CliRunner().invoke(app, ["bench", "--from", str(f)])
+    assert r.exit_code == 2 and "not a kdev bench result" in r.stderr
+
+
+def test_no_gpu_is_exit_3():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = CliRunner().invoke(app, ["bench", "--sweep", "smoke"])
+    assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
