@@ -202,6 +202,10 @@ def verify_cmd(
     from kdev import abi, gpu, verify
 
     kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
+    if not fuzz:  # a tampered, truncated or stale suite is refused before anything else (exit 2)
+        from kdev import vectors
+
+        vectors.open_suite(suite, allow_stale=allow_stale, warn=report.warn).check_integrity()
     gpu.require_cuda("kdev verify")
     if fuzz:
         seed = seed if seed is not None else secrets.randbits(31)
@@ -209,8 +213,6 @@ def verify_cmd(
         with report.progress("fuzz", fuzz) as advance:
             run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance)
     else:
-        from kdev import vectors
-
         n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
         with report.progress(f"verify {suite}", n) as advance:
             run = verify.run_suite(suite, kernels, repeat, case, allow_stale, library, report.info, report.warn, advance)

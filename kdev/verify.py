@@ -411,9 +411,9 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
               write_ledger: bool = True) -> VerifyRun:
     from kdev import gpu
 
-    gpu.require_cuda("kdev verify")
     suite = vectors.open_suite(suite_ref, allow_stale=allow_stale, warn=warn)
     suite.check_integrity()  # every file against its sha256 before anything runs
+    gpu.require_cuda("kdev verify")
     entries = suite.cases
     if cases:
         unknown = sorted(set(cases) - {e["name"] for e in entries})

@@ -131,3 +131,34 @@ def test_bad_arguments_return_status_and_launch_nothing(lib):
     assert e.value.status == 3 and "workspace" in e.value.message
     torch.cuda.synchronize()
     assert torch.isnan(out.float()).all() and torch.isnan(ow.float()).all()  # nothing was launched
+
+
+def test_verify_catches_an_output_perturbed_after_the_kernel(lib, monkeypatch):
+    from kdev import verify
+
+    real_run = abi.Library.run
+
+    def tampered(self, kernel, x, sync=True):
+        out, lse = real_run(self, kernel, x, sync=True)
+        if kernel == "flash":
+            out[1, 2, 300] = out[1, 2, 300] + 0.5
+        return out, lse
+
+    monkeypatch.setattr(abi.Library, "run", tampered)
+    run = verify.run_suite("smoke", ["naive", "flash"], cases=["ddtree-n16"], lib_path=lib.path, write_ledger=False)
+    assert not run.passed
+    bad = [r for r in run.results if not r.passed]
+    assert bad and all(r.kernel == "flash" for r in bad)
+    assert any(r.out is not None and r.out.worst[0][0] == (1, 2, 300) for r in bad)
+
+
+def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
+    from kdev import verify
+
+    kernels = ["naive", "flash", "ddtree", "accept", "compact"]
+    run = verify.run_suite("smoke", kernels, repeat=2, lib_path=lib.path, write_ledger=False)
+    assert run.passed, run.record["failures"]
+    seed = int.from_bytes(os.urandom(4), "little")
+    run = verify.run_fuzz(200, seed, kernels, max_prefix=16384, lib_path=lib.path, failures_root=tmp_path,
+                          write_ledger=False)
+    assert run.passed, (seed, run.record["failures"][:3])

@@ -1,0 +1,105 @@
+"""verify without a GPU: token-exact logic (ties, a wrong output that must fail), ledger atomicity under
+concurrent writers, and suites refused before anything runs."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kdev import ddtree, vectors, verify
+from kdev.cli import app
+
+
+def _setup(seed=0, heads=4, T=12):
+    rng = np.random.default_rng(seed)
+    vocab = 300
+    tree = ddtree.random_tree(rng, T, rng.integers(0, vocab, T))
+    proj = verify.TokenProjector(heads, vocab, "cpu", seed=5)
+    g = torch.Generator().manual_seed(seed)
+    o_ref = torch.randn(T, heads, 512, generator=g, dtype=torch.float64)
+    return proj, [tree], o_ref
+
+
+def test_identical_output_is_token_exact():
+    proj, trees, o_ref = _setup()
+    r = verify.token_exact(proj, trees, o_ref.clone(), o_ref)
+    assert r.passed and r.node_mismatches == 0 and r.walk_mismatches == 0 and r.nodes == 12
+
+
+def test_wrong_output_fails_token_exact():
+    proj, trees, o_ref = _setup()
+    o_bad = o_ref.clone()
+    o_bad[3] = torch.randn(o_ref.shape[1:], generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    r = verify.token_exact(proj, trees, o_bad, o_ref)
+    assert not r.passed and r.node_mismatches >= 1
+    assert "FAIL" in r.label()
+
+
+def test_ties_are_reported_not_failed(monkeypatch):
+    proj, trees, o_ref = _setup()
+    o_bad = o_ref.clone()
+    o_bad[3] *= -1  # flips node 3's logits: a different argmax
+    assert not verify.token_exact(proj, trees, o_bad, o_ref).passed
+    monkeypatch.setattr(verify, "TIE_REL_NOISE", 10.0)  # noise larger than any margin: every node is a tie
+    r = verify.token_exact(proj, trees, o_bad, o_ref)
+    assert r.passed and r.ties == r.nodes and "ties" in r.label()
+
+
+def test_accept_walk_uses_the_tree():
+    proj, trees, o_ref = _setup(T=30)
+    lr = proj.logits(o_ref)
+    # make the target follow node 0 -> its first child by re-tokenising the tree with the argmax tokens
+    tree = trees[0]
+    tokens = tree.tokens.copy()
+    arg = lr.argmax(-1).numpy()
+    for i in range(1, tree.size):
+        tokens[i] = arg[tree.parents[i]]
+    t2 = ddtree.Tree(tokens, tree.parents, tree.depths)
+    r = verify.token_exact(proj, [t2], o_ref.clone(), o_ref)
+    assert r.passed and r.accepted[0][0] > 1  # the walk went past the root
+
+
+def test_ledger_concurrent_appends_are_all_kept(tmp_path):
+    folder = tmp_path / "ledger"
+
+    def write(i):
+        verify.append_record({"timestamp": "2026-12-02T10:00:00+00:00", "i": i, "passed": True}, folder)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    recs = verify.read_records(folder)
+    assert sorted(r["i"] for r in recs) == list(range(40))
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temp files left behind
+    (folder / "broken.json").write_text("{not json")
+    assert len(verify.read_records(folder)) == 40  # an unreadable file is skipped, never fatal
+
+
+def test_cli_refuses_tampered_and_stale_suites_before_anything(tiny_suites, tmp_path, monkeypatch):
+    from kdev import config
+
+    spec = config.load_suite("tiny", tiny_suites)
+    vectors.write_suite(spec, tmp_path)
+    runner = CliRunner()
+    f = tmp_path / "tiny" / "a.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:100])
+    r = runner.invoke(app, ["verify", "--suite", str(tmp_path / "tiny")])
+    assert r.exit_code == 2 and "a.safetensors: sha256 does not match" in r.stderr
+    f.write_bytes(data)
+    monkeypatch.setattr(vectors, "generator_hash", lambda: "1" * 64)
+    r = runner.invoke(app, ["verify", "--suite", str(tmp_path / "tiny")])
+    assert r.exit_code == 2 and "stale vectors" in r.stderr
+    r = runner.invoke(app, ["verify", "--suite", str(tmp_path / "tiny"), "--allow-stale"])
+    if not torch.cuda.is_available():
+        assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
+
+
+def test_unknown_kernel_is_usage_error():
+    r = CliRunner().invoke(app, ["verify", "--kernel", "naive,fastest"])
+    assert r.exit_code == 2 and "fastest" in r.output
