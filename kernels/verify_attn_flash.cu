@@ -118,17 +118,18 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
   const int page_shift = __ffs(p.page_size) - 1;  // page sizes are powers of two (checked in capi.cu)
   const int page_mask = p.page_size - 1;
 
+  // KV gather: warp w copies rows w, w+8, w+16, w+24 of the tile; one page-table lookup per row (the
+  // same address for the whole warp), 72 x 16-byte chunks per row over the 32 lanes.
   auto load_tile = [&](int buf, int start) {
-    for (int i = tid; i < kBlockN * kChunksPerRow; i += kThreads) {
-      const int r = i / kChunksPerRow, ch = i % kChunksPerRow;
+#pragma unroll
+    for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
+      const int r = warp + rr * kWarps;
       const int pos = start + r;
       const bool ok = pos < kv_end;
       const __nv_bfloat16* src = kv;  // any valid address; zero bytes are read when !ok
-      if (ok) {
-        const int page = page_row[pos >> page_shift];
-        src = kv + (((size_t)page << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM + ch * 8;
-      }
-      cp_async_16(&sm.kv[buf][r][ch * 8], src, ok ? 16 : 0);
+      if (ok) src = kv + (((size_t)page_row[pos >> page_shift] << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM;
+#pragma unroll
+      for (int ch = lane; ch < kChunksPerRow; ch += 32) cp_async_16(&sm.kv[buf][r][ch * 8], src + ch * 8, ok ? 16 : 0);
     }
     cp_async_commit();
   };
@@ -351,17 +352,19 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   FlashPlan plan{};
   plan.num_m_tiles = (p.max_qlen * p.num_heads + kBlockM - 1) / kBlockM;
   const long base = (long)p.batch * plan.num_m_tiles;
-  // One CTA per SM. Pick the split count s that minimises the waves per unit of work, ceil(base*s/SMs)/s,
-  // keeping >= 256 tokens (8 tiles) per split; a small per-split cost (Q load, partials, combine) breaks
-  // near-ties toward fewer splits.
-  int splits = 1;
+  // One CTA per SM. A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q
+  // load, the 128 KB fp32 partial and its share of the combine); the kernel's time is the number of waves
+  // times that. Pick the split count s minimising waves(s) * (tiles / s + 6), keeping >= 256 tokens
+  // (8 tiles) per split. (v2 used waves / s + 0.01 (s - 1), which under-split: see NOTES.md.)
+  const double tiles = (double)p.max_kv_len / kBlockN;
   const int by_len = (p.max_kv_len + 255) / 256;
   const int max_splits = by_len < 64 ? by_len : 64;
-  double best = 1e30;
+  int splits = 1;
+  double best = 1e300;
   for (int s = 1; s <= max_splits; ++s) {
     const long waves = (base * s + sm_count - 1) / sm_count;
-    const double cost = (double)waves / s + 0.01 * (s - 1);
-    if (cost < best - 1e-9) {
+    const double cost = (double)waves * (tiles / s + 6.0);
+    if (cost < best * (1 - 1e-9)) {
       best = cost;
       splits = s;
     }

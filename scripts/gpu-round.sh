@@ -2,17 +2,18 @@
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200), the GPU tests,
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
-#   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME] [--skip-tests] [--sanitize]
+#   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--skip-tests] [--sanitize]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE=
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
     --sweep) SWEEP="$2"; shift 2 ;;
+    --baseline) BASELINE="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --sanitize) SANITIZE=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -41,7 +42,10 @@ if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   done
 fi
 step ceilings python3 -m kdev bench --ceilings
-step bench python3 -m kdev bench --sweep "$SWEEP" --out-json "$OUT/bench.json" --csv "$OUT/bench.csv"
+for sw in ${SWEEP//,/ }; do
+  step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
+    ${BASELINE:+--baseline "$BASELINE"}
+done
 echo "=== summary" | tee -a "$LOG"
 fail=0
 for k in "${!RC[@]}"; do echo "$k: exit ${RC[$k]}" | tee -a "$LOG"; [ "${RC[$k]}" = 0 ] || fail=1; done
