@@ -392,12 +392,22 @@ class VerifyRun:
 
 
 def _load_library(lib_path, log) -> abi.Library:
-    """Build (a cache hit when current) or load the library for this GPU's arch."""
+    """The library to run: --library, else the last `kdev build` if it is current and has this GPU's arch,
+    else a build for this GPU's arch (a cache hit when nothing changed)."""
     from kdev import build as kbuild
     from kdev import config, gpu
 
     if lib_path:
         return abi.Library(lib_path)
+    latest = kbuild.latest_library()
+    if latest is not None:  # the last `kdev build`, when it is current and carries this GPU's arch
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", abi.StaleLibraryWarning)
+            lib = abi.Library(latest)
+        if not lib.stale and gpu.current_arch() in lib.build_info.get("archs", []):
+            return lib
     res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
     if res.problems:
         from kdev.errors import CheckFailed
