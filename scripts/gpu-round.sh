@@ -3,12 +3,15 @@
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--skip-tests] [--sanitize]
+#                               [--deploy-check]
+# --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
+# runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE=
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= DEPLOY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -16,6 +19,7 @@ while [ $# -gt 0 ]; do
     --baseline) BASELINE="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --sanitize) SANITIZE=1; shift ;;
+    --deploy-check) DEPLOY=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -29,7 +33,6 @@ step() {  # step NAME CMD...: run, log, remember the exit code
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
-python3 -m kdev build --arch sm_90 --json > "$OUT/build.json" 2>/dev/null
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -x
 fi
@@ -46,6 +49,21 @@ for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
     ${BASELINE:+--baseline "$BASELINE"}
 done
+if [ "$DEPLOY" = 1 ]; then
+  if ! git rev-parse --git-dir >/dev/null 2>&1; then  # a copied tree without history: snapshot it
+    git init -q && git add -A && git -c user.email=round@kdev -c user.name=kdev commit -qm "round snapshot"
+  fi
+  step deploy-build python3 -m kdev build
+  step deploy-verify python3 -m kdev verify --suite smoke
+  step deploy-check-clean python3 -m kdev deploy-check
+  python3 -m kdev deploy-check > "$OUT/deploy-clean.txt" 2>&1
+  cp kernels/verify_attn.cu "$OUT/.verify_attn.cu.bak"
+  echo "// edited after the build" >> kernels/verify_attn.cu
+  step deploy-check-edited python3 -m kdev deploy-check
+  python3 -m kdev deploy-check > "$OUT/deploy-edited.txt" 2>&1
+  cp "$OUT/.verify_attn.cu.bak" kernels/verify_attn.cu && rm -f "$OUT/.verify_attn.cu.bak"
+  [ "${RC[deploy-check-edited]}" != 0 ] && RC[deploy-check-edited]=0 || RC[deploy-check-edited]=1  # must fail
+fi
 echo "=== summary" | tee -a "$LOG"
 fail=0
 for k in "${!RC[@]}"; do echo "$k: exit ${RC[$k]}" | tee -a "$LOG"; [ "${RC[$k]}" = 0 ] || fail=1; done
