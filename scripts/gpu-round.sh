@@ -3,15 +3,15 @@
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--skip-tests] [--sanitize]
-#                               [--deploy-check]
+#                               [--deploy-check | --deploy-only]
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= DEPLOY=0
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= DEPLOY=0 ONLY_DEPLOY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -20,6 +20,7 @@ while [ $# -gt 0 ]; do
     --skip-tests) SKIP_TESTS=1; shift ;;
     --sanitize) SANITIZE=1; shift ;;
     --deploy-check) DEPLOY=1; shift ;;
+    --deploy-only) DEPLOY=1; ONLY_DEPLOY=1; SKIP_TESTS=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -33,6 +34,7 @@ step() {  # step NAME CMD...: run, log, remember the exit code
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
+if [ "$ONLY_DEPLOY" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -x
 fi
@@ -49,9 +51,16 @@ for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
     ${BASELINE:+--baseline "$BASELINE"}
 done
+fi
 if [ "$DEPLOY" = 1 ]; then
-  if ! git rev-parse --git-dir >/dev/null 2>&1; then  # a copied tree without history: snapshot it
-    git init -q && git add -A && git -c user.email=round@kdev -c user.name=kdev commit -qm "round snapshot"
+  # deploy-check reads git history; a tree copied without it is checked as a snapshot repository in a
+  # temporary folder (the tree itself is left alone)
+  if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
+    SNAP="$(mktemp -d)/kdev" && mkdir -p "$SNAP"
+    tar --exclude=./.git --exclude=./build --exclude=./.kdev --exclude=./gpu-results -cf - . | tar -xf - -C "$SNAP"
+    git -C "$SNAP" init -q && git -C "$SNAP" add -A &&
+      git -C "$SNAP" -c user.email=round@kdev -c user.name=kdev commit -qm "round snapshot"
+    cd "$SNAP" && export PYTHONPATH="$SNAP"
   fi
   step deploy-build python3 -m kdev build
   step deploy-verify python3 -m kdev verify --suite smoke
