@@ -8,16 +8,54 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdev import build as kbuild
+from kdev import config as kconfig
+from kdev.errors import EnvironmentMissing
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _have_nvcc() -> bool:
+    try:
+        kbuild.find_nvcc()
+        return True
+    except EnvironmentMissing:
+        return False
+
+
+HAVE_NVCC = _have_nvcc()
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="no CUDA GPU visible to torch")
+    no_gpu = pytest.mark.skip(reason="no CUDA GPU visible to torch")
+    no_nvcc = pytest.mark.skip(reason="nvcc not found")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "nvcc" in item.keywords and not HAVE_NVCC:
+            item.add_marker(no_nvcc)
+
+
+@pytest.fixture
+def build_config():
+    """build_config(out_dir, archs) -> a BuildConfig from configs/build.yaml writing into out_dir."""
+
+    def make(out_dir, archs):
+        c = kconfig.load_build(None, archs)
+        return kconfig.BuildConfig(c.archs, c.flags, out_dir, False, c.smem_limit_bytes, c.path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def sm90_library(tmp_path_factory):
+    """A library built for sm_90 from the current sources into a temporary folder (needs nvcc)."""
+    if not HAVE_NVCC:
+        pytest.skip("nvcc not found")
+    c = kconfig.load_build(None, ["sm_90"])
+    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("lib") / "build", False,
+                              c.smem_limit_bytes, c.path)
+    return kbuild.build(cfg).library
 
 
 @pytest.fixture

@@ -58,19 +58,10 @@ def test_bad_outputs_refused(case):
         abi.check_inputs(x, out, lse.double())
 
 
-def test_params_struct_matches_library_and_cpu_tensors_refused(case, tmp_path):
-    try:
-        kbuild.find_nvcc()
-    except Exception:
-        pytest.skip("nvcc not found")
-    from kdev import config
-
-    c = config.load_build(None, ["sm_90"])
-    cfg = config.BuildConfig(c.archs, c.flags, tmp_path / "build", False, c.smem_limit_bytes, c.path)
-    res = kbuild.build(cfg)
+def test_params_struct_matches_library_and_cpu_tensors_refused(case, sm90_library):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # built from the current sources: no stale warning
-        lib = abi.Library(res.library)
+        lib = abi.Library(sm90_library)
     assert lib.lib.kdtree_params_size() == ctypes.sizeof(abi.VerifyAttnParams) and lib.max_qlen == 1025
     x, out, lse = _inputs(case)
     with pytest.raises(abi.AbiArgumentError, match="q: must be a CUDA tensor"):
@@ -79,19 +70,10 @@ def test_params_struct_matches_library_and_cpu_tensors_refused(case, tmp_path):
         lib.call("fastest", abi.VerifyAttnParams())
 
 
-def test_stale_library_warns(monkeypatch, tmp_path):
-    try:
-        kbuild.find_nvcc()
-    except Exception:
-        pytest.skip("nvcc not found")
-    from kdev import config
-
-    c = config.load_build(None, ["sm_90"])
-    cfg = config.BuildConfig(c.archs, c.flags, tmp_path / "build", False, c.smem_limit_bytes, c.path)
-    res = kbuild.build(cfg)
+def test_stale_library_warns(monkeypatch, sm90_library):
     monkeypatch.setattr(kbuild, "source_hash", lambda *a: "f" * 64)
     with pytest.warns(abi.StaleLibraryWarning, match="run 'kdev build'"):
-        abi.Library(res.library)
+        abi.Library(sm90_library)
 
 
 def test_missing_library_is_environment_error(tmp_path):

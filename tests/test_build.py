@@ -10,26 +10,14 @@ from kdev import build as kbuild
 from kdev import config
 from kdev.errors import CheckFailed, EnvironmentMissing
 
-try:
-    kbuild.find_nvcc()
-    HAVE_NVCC = True
-except EnvironmentMissing:
-    HAVE_NVCC = False
-needs_nvcc = pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found")
-
-
-def _cfg(tmp_path, archs):
-    c = config.load_build(None, archs)
-    return config.BuildConfig(archs=c.archs, flags=c.flags, output_dir=tmp_path / "build", allow_spills=False,
-                              smem_limit_bytes=c.smem_limit_bytes, path=c.path)
+needs_nvcc = pytest.mark.nvcc
 
 
 @pytest.fixture(scope="module")
 def both_archs(tmp_path_factory):
-    if not HAVE_NVCC:
-        pytest.skip("nvcc not found")
-    tmp = tmp_path_factory.mktemp("b")
-    cfg = _cfg(tmp, ["sm_90", "sm_120"])
+    c = config.load_build(None, ["sm_90", "sm_120"])
+    cfg = config.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("b") / "build", False, c.smem_limit_bytes,
+                             c.path)
     return cfg, kbuild.build(cfg)
 
 
@@ -64,10 +52,10 @@ def test_build_info_embedded_in_library(both_archs):
 
 
 @needs_nvcc
-def test_cache_hit_then_rebuild_on_source_change(tmp_path):
+def test_cache_hit_then_rebuild_on_source_change(tmp_path, build_config):
     kdir = tmp_path / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, kdir)
-    cfg = _cfg(tmp_path, ["sm_90"])
+    cfg = build_config(tmp_path / "build", ["sm_90"])
     first = kbuild.build(cfg, kernel_dir=kdir)
     again = kbuild.build(cfg, kernel_dir=kdir)
     assert not first.cached and again.cached and again.key == first.key
@@ -78,7 +66,7 @@ def test_cache_hit_then_rebuild_on_source_change(tmp_path):
 
 
 @needs_nvcc
-def test_compiler_error_names_file_and_line(tmp_path):
+def test_compiler_error_names_file_and_line(tmp_path, build_config):
     kdir = tmp_path / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, kdir)
     src = kdir / "verify_attn.cu"
@@ -86,7 +74,7 @@ def test_compiler_error_names_file_and_line(tmp_path):
     lines.insert(20, "this is not C++;")
     src.write_text("\n".join(lines))
     with pytest.raises(CheckFailed, match=r"verify_attn\.cu:21: error"):
-        kbuild.build(_cfg(tmp_path, ["sm_90"]), kernel_dir=kdir)
+        kbuild.build(build_config(tmp_path / "build", ["sm_90"]), kernel_dir=kdir)
 
 
 def test_missing_nvcc_is_environment_error(monkeypatch, tmp_path):

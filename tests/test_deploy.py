@@ -12,14 +12,8 @@ from kdev import build as kbuild
 from kdev import config, deploy, verify
 from kdev.cli import app
 from kdev.config import REPO_ROOT
-from kdev.errors import EnvironmentMissing
 
-try:
-    kbuild.find_nvcc()
-    HAVE_NVCC = True
-except EnvironmentMissing:
-    HAVE_NVCC = False
-pytestmark = pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not found (deploy-check needs a built library)")
+pytestmark = pytest.mark.nvcc  # deploy-check needs a built library
 
 
 def git(repo, *args):
