@@ -255,6 +255,27 @@ class Library:
         return out, lse
 
 
+def load_library(path: str | Path | None = None, log=None) -> Library:
+    """The library to run: `path`, else the last `kdev build` if it is current and has this GPU's arch,
+    else a build for this GPU's arch (a cache hit when nothing changed)."""
+    from kdev import config, gpu
+    from kdev.errors import CheckFailed
+
+    if path:
+        return Library(path)
+    latest = kbuild.latest_library()
+    if latest is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StaleLibraryWarning)
+            lib = Library(latest)
+        if not lib.stale and gpu.current_arch() in lib.build_info.get("archs", []):
+            return lib
+    res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
+    if res.problems:
+        raise CheckFailed(f"kdev build failed its resource gate: {res.problems[0]}")
+    return Library(res.library)
+
+
 # ------------------------------------------------------------------------------------------ DDTree kernels
 class DDTreeBuildParams(ctypes.Structure):
     """Mirror of DDTreeBuildParams in kernels/include/kdev/ddtree.cuh."""

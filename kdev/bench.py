@@ -425,6 +425,15 @@ def load_ceilings(gpu_id: dict) -> dict | None:
     return KNOWN_CEILINGS.get(gpu_id["name"])
 
 
+def save_ceilings(gpu_id: dict, ceilings: dict) -> Path:
+    from kdev.fsutil import atomic_write_bytes
+
+    path = ceilings_path(gpu_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps({**ceilings, "gpu": gpu_id}, indent=2).encode())
+    return path
+
+
 def measure_ceilings(lib, device) -> dict:
     """bf16 mma.sync m16n8k16 peak (the library's microbenchmark) and device-to-device copy bandwidth."""
     import ctypes
@@ -485,7 +494,7 @@ class Result:
 
 
 def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, peers: dict, seed: int,
-              progress=None, log=None) -> tuple[list[Result], dict]:
+              progress=None) -> tuple[list[Result], dict]:
     import torch
 
     from kdev import gpu
@@ -583,8 +592,9 @@ def load_results(path: Path) -> dict:
 
 
 def write_csv(path: Path, results: list[dict]) -> None:
-    from kdev.fsutil import atomic_write_bytes
     import io
+
+    from kdev.fsutil import atomic_write_bytes
 
     buf = io.StringIO()
     w = csv.writer(buf)

@@ -278,7 +278,7 @@ def bench_cmd(
     if from_file:
         doc = bench.load_results(from_file)
     else:
-        from kdev import gpu, verify
+        from kdev import abi, gpu
 
         gpu.require_cuda("kdev bench")
         peers = {}
@@ -288,18 +288,13 @@ def bench_cmd(
         bad = [b for b in backends if b not in ("flash", "naive", "torch-eager", "torch-sdpa") and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
-        lib = verify._load_library(library, report.info)
+        lib = abi.load_library(library, report.info)
         if ceilings:
             import torch
 
             ident = gpu.current_gpu().to_dict()
             c = bench.measure_ceilings(lib, torch.device("cuda", torch.cuda.current_device()))
-            from kdev.fsutil import atomic_write_bytes
-            import json as _json
-
-            path = bench.ceilings_path(ident)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, _json.dumps({**c, "gpu": ident}, indent=2).encode())
+            path = bench.save_ceilings(ident, c)
             report.info(f"ceilings on {ident['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
                         f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
             if not sweep and not shape:
@@ -308,7 +303,7 @@ def bench_cmd(
                 return
         shapes = bench.expand(cfg, sweep, shape, axis)
         with report.progress(f"bench {sweep or ('shape' if shape else 'smoke')}", len(shapes) * len(backends)) as adv:
-            results, prov = bench.run_bench(shapes, backends, cfg, lib, peers, seed, adv, report.info)
+            results, prov = bench.run_bench(shapes, backends, cfg, lib, peers, seed, adv)
         doc = {"provenance": prov, "sweep": sweep or ("shape" if shape else "smoke"),
                "results": [dict(r.__dict__) for r in results]}
     results = doc["results"]

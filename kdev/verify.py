@@ -391,31 +391,6 @@ class VerifyRun:
         return self.record["passed"]
 
 
-def _load_library(lib_path, log) -> abi.Library:
-    """The library to run: --library, else the last `kdev build` if it is current and has this GPU's arch,
-    else a build for this GPU's arch (a cache hit when nothing changed)."""
-    from kdev import build as kbuild
-    from kdev import config, gpu
-
-    if lib_path:
-        return abi.Library(lib_path)
-    latest = kbuild.latest_library()
-    if latest is not None:  # the last `kdev build`, when it is current and carries this GPU's arch
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", abi.StaleLibraryWarning)
-            lib = abi.Library(latest)
-        if not lib.stale and gpu.current_arch() in lib.build_info.get("archs", []):
-            return lib
-    res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
-    if res.problems:
-        from kdev.errors import CheckFailed
-
-        raise CheckFailed(f"kdev build failed its resource gate: {res.problems[0]}")
-    return abi.Library(res.library)
-
-
 def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[str] | None = None,
               allow_stale: bool = False, lib_path=None, log=None, warn=None, progress=None,
               write_ledger: bool = True) -> VerifyRun:
@@ -432,7 +407,7 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
 
             raise BadInput(f"{suite.path}: no case named {unknown[0]!r}")
         entries = [e for e in entries if e["name"] in cases]
-    lib = _load_library(lib_path, log)
+    lib = abi.load_library(lib_path, log)
     device = torch.device("cuda", torch.cuda.current_device())
     results, proj_cache = [], {}
     for entry in entries:
@@ -455,7 +430,7 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
     from kdev import gpu
 
     gpu.require_cuda("kdev verify --fuzz")
-    lib = _load_library(lib_path, log)
+    lib = abi.load_library(lib_path, log)
     max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)

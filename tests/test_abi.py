@@ -81,3 +81,18 @@ def test_missing_library_is_environment_error(tmp_path):
 
     with pytest.raises(EnvironmentMissing, match="not built"):
         abi.Library(tmp_path / "nope.so")
+
+
+def test_load_library_reuses_a_current_build_for_this_arch(monkeypatch, sm90_library):
+    from types import SimpleNamespace
+
+    from kdev import gpu
+
+    monkeypatch.setattr(kbuild, "latest_library", lambda *a: sm90_library)
+    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_90")
+    built = []
+    monkeypatch.setattr(kbuild, "build", lambda cfg, log=None: built.append(cfg.archs) or SimpleNamespace(
+        problems=[], library=sm90_library))
+    assert abi.load_library().path == sm90_library and built == []
+    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_120")  # the last build lacks this GPU's arch
+    assert abi.load_library().path == sm90_library and built == [("sm_120",)]
