@@ -1,7 +1,6 @@
 """Shared fixtures. GPU tests carry @pytest.mark.gpu: skipped with a reason where no CUDA GPU is visible,
 and never skipped where one is."""
 
-import os
 import textwrap
 from pathlib import Path
 

@@ -1,11 +1,9 @@
 """verify without a GPU: token-exact logic (ties, a wrong output that must fail), ledger atomicity under
 concurrent writers, and suites refused before anything runs."""
 
-import json
 import threading
 
 import numpy as np
-import pytest
 import torch
 from typer.testing import CliRunner
 

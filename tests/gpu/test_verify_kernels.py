@@ -1,7 +1,6 @@
 """Naive oracle and flash kernel on the GPU: golden vectors, fresh random cases against the float64
 reference, the split-KV path, determinism, and bad arguments answered with a status."""
 
-import ctypes
 import os
 
 import numpy as np
