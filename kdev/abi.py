@@ -309,24 +309,28 @@ def _i32(name: str, t: torch.Tensor, shape: tuple, device) -> None:
 
 
 class TreeKernels:
-    """The DDTree build, greedy accept and KV compaction entry points of a loaded Library."""
+    """The DDTree build, greedy accept and KV compaction entry points of a loaded Library. prepare_* checks
+    the tensors and allocates (poisoned) outputs once; launch() runs a prepared call on the current stream
+    (no allocation: what a benchmark times); build_ddtree / accept_greedy / compact_kv do both."""
+
+    FUNCTIONS = {"build": ("kdtree_build_ddtree", DDTreeBuildParams), "accept": ("kdtree_accept_greedy", AcceptParams),
+                 "compact": ("kdtree_compact_kv", CompactParams)}
 
     def __init__(self, lib: Library):
         self.lib = lib
-        L = lib.lib
-        for fn, st in (("kdtree_build_ddtree", DDTreeBuildParams), ("kdtree_accept_greedy", AcceptParams),
-                       ("kdtree_compact_kv", CompactParams)):
-            getattr(L, fn).argtypes = [ctypes.POINTER(st), ctypes.c_void_p]
-            getattr(L, fn).restype = ctypes.c_int
+        for fn, st in self.FUNCTIONS.values():
+            getattr(lib.lib, fn).argtypes = [ctypes.POINTER(st), ctypes.c_void_p]
+            getattr(lib.lib, fn).restype = ctypes.c_int
 
-    def _call(self, fn: str, p) -> None:
+    def launch(self, which: str, p) -> None:
+        fn = self.FUNCTIONS[which][0]
         s = torch.cuda.current_stream()
         self.lib._status(fn, getattr(self.lib.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
-    def build_ddtree(self, log_probs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor,
-                     prefix_lens: torch.Tensor, budget: int) -> dict:
+    def prepare_build(self, log_probs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor,
+                      prefix_lens: torch.Tensor, budget: int):
         """Padded outputs [B, 1 + budget] (node_tokens, parents, depths, positions), tree_mask
-        [B, 1 + budget, W] (int64 bits) and node_count [B]; outputs are poisoned before the call."""
+        [B, 1 + budget, W] (int64 bits) and node_count [B], poisoned; returns (params, outputs)."""
         dev = log_probs.device
         _check("log_probs", log_probs, torch.float32, 3, dev, 4)
         B, D, K = log_probs.shape
@@ -343,11 +347,16 @@ class TreeKernels:
                               token_ids.data_ptr(), root_tokens.data_ptr(), prefix_lens.data_ptr(),
                               *(out[k].data_ptr() for k in ("node_tokens", "parents", "depths", "positions",
                                                              "tree_mask", "node_count")))
-        self._call("kdtree_build_ddtree", p)
+        return p, out
+
+    def build_ddtree(self, *args, **kwargs) -> dict:
+        p, out = self.prepare_build(*args, **kwargs)
+        self.launch("build", p)
         return out
 
-    def accept_greedy(self, node_tokens, parents, node_count, target_argmax):
-        """Padded [B, T] inputs -> (accepted [B, T] with -1 after the end, accept_len [B], bonus [B])."""
+    def prepare_accept(self, node_tokens, parents, node_count, target_argmax):
+        """Padded [B, T] inputs; returns (params, (accepted [B, T] with -1 after the end, accept_len [B],
+        bonus [B]))."""
         dev = node_tokens.device
         B, T = node_tokens.shape
         for name, t in (("node_tokens", node_tokens), ("parents", parents), ("target_argmax", target_argmax)):
@@ -359,11 +368,15 @@ class TreeKernels:
         p = AcceptParams(ctypes.sizeof(AcceptParams), B, T, node_tokens.data_ptr(), parents.data_ptr(),
                          node_count.data_ptr(), target_argmax.data_ptr(), accepted.data_ptr(), length.data_ptr(),
                          bonus.data_ptr())
-        self._call("kdtree_accept_greedy", p)
-        return accepted, length, bonus
+        return p, (accepted, length, bonus)
 
-    def compact_kv(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> None:
-        """In place: accepted node i's KV row moves to slot prefix_len + i."""
+    def accept_greedy(self, *args):
+        p, out = self.prepare_accept(*args)
+        self.launch("accept", p)
+        return out
+
+    def prepare_compact(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> CompactParams:
+        """In place when launched: accepted node i's KV row moves to slot prefix_len + i."""
         dev = kv_cache.device
         _check("kv_cache", kv_cache, torch.bfloat16, 3, dev)
         B, T = accepted.shape
@@ -371,7 +384,9 @@ class TreeKernels:
         _i32("accept_len", accept_len, (B,), dev)
         _i32("prefix_lens", prefix_lens, (B,), dev)
         _check("page_table", page_table, torch.int32, 2, dev, 4)
-        p = CompactParams(ctypes.sizeof(CompactParams), B, T, kv_cache.shape[1], page_table.shape[1],
-                          kv_cache.shape[0], kv_cache.data_ptr(), page_table.data_ptr(), prefix_lens.data_ptr(),
-                          accepted.data_ptr(), accept_len.data_ptr())
-        self._call("kdtree_compact_kv", p)
+        return CompactParams(ctypes.sizeof(CompactParams), B, T, kv_cache.shape[1], page_table.shape[1],
+                             kv_cache.shape[0], kv_cache.data_ptr(), page_table.data_ptr(), prefix_lens.data_ptr(),
+                             accepted.data_ptr(), accept_len.data_ptr())
+
+    def compact_kv(self, *args) -> None:
+        self.launch("compact", self.prepare_compact(*args))

@@ -20,6 +20,7 @@ reported and not ranked.
 from __future__ import annotations
 
 import csv
+import functools
 import importlib
 import itertools
 import json
@@ -34,6 +35,8 @@ from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _R
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
+ATTENTION_BACKENDS = ("flash", "naive", "torch-eager", "torch-sdpa")
+TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 # Ceilings measured on this project's H200 (mma.sync bf16 -> fp32; device-to-device copy, read + write).
 KNOWN_CEILINGS = {"NVIDIA H200": {"flops": 638e12, "bytes_per_s": 3984e9, "source": "measured 2026-12-02"}}
@@ -82,6 +85,7 @@ class BenchConfig:
     method: Method
     backends: tuple
     sweeps: dict  # name -> (description, [Shape])
+    sweep_backends: dict = field(default_factory=dict)  # name -> backends a sweep names for itself
 
 
 def _shape(r: _Reader, base: dict) -> Shape:
@@ -126,10 +130,12 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
     backends = tuple(top.get("backends", list, ["flash", "naive", "torch-eager", "torch-sdpa"]))
     sw = top.sub("sweeps")
     top.done()
-    sweeps = {}
+    sweeps, sweep_backends = {}, {}
     for name in list(sw.data):
         s = sw.sub(name)
         desc = s.get("description", str, "")
+        if "backends" in s.data:
+            sweep_backends[name] = tuple(s.get("backends", list))
         shapes = []
         if "axes" in s.data:
             a = s.sub("axes")
@@ -155,7 +161,12 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
             raise BadInput(f"{path}: sweeps.{name}: needs axes or shapes")
         sweeps[name] = (desc, list(dict.fromkeys(shapes)))
     sw.done()
-    return BenchConfig(method, backends, sweeps)
+    known = set(ATTENTION_BACKENDS) | set(TREE_BACKENDS)
+    for name, bks in [("backends", backends), *((f"sweeps.{k}.backends", v) for k, v in sweep_backends.items())]:
+        bad = [b for b in bks if b not in known]
+        if bad:
+            raise BadInput(f"{path}: {name}: unknown backend {bad[0]!r} (have {', '.join(sorted(known))})")
+    return BenchConfig(method, backends, sweeps, sweep_backends)
 
 
 def parse_assignments(items: list[str], what: str) -> dict:
@@ -493,12 +504,11 @@ class Result:
         return self.timing["median_us"] if self.timing else None
 
 
-def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, peers: dict, seed: int,
-              progress=None) -> tuple[list[Result], dict]:
+def _environment(cfg: BenchConfig):
+    """(device, L2 flush buffer, nvml, handle, GPU identity, ceilings, L2 bytes) for one bench run."""
     import torch
 
     from kdev import gpu
-    from kdev.compare import compare
 
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
@@ -512,7 +522,24 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         except Exception:
             handle = None
     ident = gpu.current_gpu(nvml).to_dict()
-    ceil = load_ceilings(ident)
+    return device, flush, nvml, handle, ident, load_ceilings(ident), l2
+
+
+def _provenance(cfg: BenchConfig, lib, ident: dict, ceil, seed: int, l2: int) -> dict:
+    import torch
+
+    return {"gpu": ident, "ceilings": ceil, "method": {k: v for k, v in asdict(cfg.method).items()},
+            "build_info": lib.build_info, "library": str(lib.path), "seed": seed, "torch": torch.__version__,
+            "l2_bytes": l2, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, peers: dict, seed: int,
+              progress=None) -> tuple[list[Result], dict]:
+    import torch
+
+    from kdev.compare import compare
+
+    device, flush, nvml, handle, ident, ceil, l2 = _environment(cfg)
     results = []
     for shape in shapes:
         x, sizes, prefixes = make_inputs(shape, seed, device)
@@ -543,11 +570,113 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
             del runner
         del oracle, x
         torch.cuda.empty_cache()
-    provenance = {"gpu": ident, "ceilings": ceil, "method": {k: v for k, v in asdict(cfg.method).items()},
-                  "build_info": lib.build_info, "library": str(lib.path), "seed": seed,
-                  "torch": torch.__version__, "l2_bytes": l2,
-                  "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    return results, provenance
+    return results, _provenance(cfg, lib, ident, ceil, seed, l2)
+
+
+def _tree_inputs(shape: Shape, seed: int, device):
+    """DDTree drafter distributions (depth 15, K = budget), reference trees, a target argmax that follows a
+    child 9 times in 10 (long walks), the reference walks, and a paged KV cache holding prefix + tree."""
+    import torch
+
+    from kdev import ddtree
+
+    rng = np.random.default_rng(seed)
+    B, N, L, ps = shape.batch, shape.budget, shape.prefix, shape.page_size
+    dists = [ddtree.synthetic_drafter(rng, 15, N, 32000) for _ in range(B)]
+    roots = rng.integers(0, 32000, B)
+    trees = [ddtree.build_ddtree(d, N, int(r)) for d, r in zip(dists, roots)]
+    T = max(t.size for t in trees)
+    tokens = np.full((B, T), -1, np.int32)
+    parents = np.full((B, T), -1, np.int32)
+    target = np.full((B, T), -1, np.int32)
+    walks = []
+    for b, tree in enumerate(trees):
+        tokens[b, :tree.size], parents[b, :tree.size] = tree.tokens, tree.parents
+        first_child = {}
+        for i in range(tree.size - 1, 0, -1):
+            first_child[int(tree.parents[i])] = i
+        for i in range(tree.size):
+            c = first_child.get(i)
+            target[b, i] = tree.tokens[c] if c is not None and rng.random() < 0.9 else rng.integers(0, 32000)
+        walks.append(ddtree.accept_greedy(tree, target[b]))
+    pages = -(-(L + T) // ps)
+    kv = torch.randn(B * pages, ps, QK_DIM, device=device).to(torch.bfloat16)
+    table = torch.randperm(B * pages, device=device).to(torch.int32).reshape(B, pages)
+    acc = np.full((B, T), -1, np.int32)
+    for b, w in enumerate(walks):
+        acc[b, :len(w.nodes)] = w.nodes
+
+    def dev(x, dtype=torch.int32):
+        return torch.tensor(np.asarray(x), dtype=dtype, device=device)
+
+    return {
+        "trees": trees, "walks": walks, "log_probs": dev(np.stack([d.log_probs for d in dists]), torch.float32),
+        "token_ids": dev(np.stack([d.token_ids for d in dists])), "roots": dev(roots),
+        "prefix": dev([L] * B), "tokens": dev(tokens), "parents": dev(parents), "target": dev(target),
+        "counts": dev([t.size for t in trees]), "kv": kv, "table": table, "accepted": dev(acc),
+        "accept_len": dev([len(w.nodes) for w in walks])}
+
+
+def run_tree_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, seed: int,
+                   progress=None) -> tuple[list[Result], dict]:
+    """Time the DDTree build, the greedy accept walk and the KV compaction; each is checked against the
+    reference (kdev/ddtree.py) on its first launch. Compaction counts its bytes (every accepted row read
+    and written) against the copy ceiling; build and accept are latency-bound and get no floor."""
+    import torch
+
+    from kdev import abi, ddtree
+
+    device, flush, nvml, handle, ident, ceil, l2 = _environment(cfg)
+    tk = abi.TreeKernels(lib)
+    results = []
+    for shape in shapes:
+        d = _tree_inputs(shape, seed, device)
+        for name in backends:
+            problems, nbytes = [], 0.0
+            if name == "ddtree-build":
+                p, out = tk.prepare_build(d["log_probs"], d["token_ids"], d["roots"], d["prefix"], shape.budget)
+                launch = functools.partial(tk.launch, "build", p)
+                launch()
+                torch.cuda.synchronize()
+                for b, tree in enumerate(d["trees"]):
+                    if out["parents"][b, :tree.size].tolist() != tree.parents.tolist() or \
+                            out["node_tokens"][b, :tree.size].tolist() != tree.tokens.tolist():
+                        problems.append(f"request {b}: tree differs from the reference")
+            elif name == "accept":
+                p, (acc, length, bonus) = tk.prepare_accept(d["tokens"], d["parents"], d["counts"], d["target"])
+                launch = functools.partial(tk.launch, "accept", p)
+                launch()
+                torch.cuda.synchronize()
+                for b, w in enumerate(d["walks"]):
+                    if acc[b, :len(w.nodes)].tolist() != w.nodes.tolist() or int(bonus[b]) != w.bonus_token:
+                        problems.append(f"request {b}: accepted path or bonus differs from the reference")
+            elif name == "compact":
+                kv = d["kv"]
+                want = kv.view(torch.int16).cpu().numpy()
+                table = d["table"].cpu().numpy()
+                for b, w in enumerate(d["walks"]):
+                    want = ddtree.compact_kv(want, table[b], shape.prefix, w.nodes)
+                p = tk.prepare_compact(kv, d["table"], d["prefix"], d["accepted"], d["accept_len"])
+                launch = functools.partial(tk.launch, "compact", p)
+                launch()
+                torch.cuda.synchronize()
+                if not np.array_equal(kv.view(torch.int16).cpu().numpy(), want):
+                    problems.append("KV cache differs from the reference compaction")
+                nbytes = 2.0 * QK_DIM * 2 * sum(len(w.nodes) for w in d["walks"])
+            else:
+                raise BadInput(f"unknown tree backend {name!r}")
+            ok = not problems
+            timing = measure(launch, cfg.method, flush, nvml, handle) if ok else None
+            floor = nbytes / ceil["bytes_per_s"] * 1e6 if (ceil and nbytes) else None
+            results.append(Result(shape.name, asdict(shape), name, 0.0, nbytes, floor,
+                                  "memory" if nbytes else "latency", ok,
+                                  "ok" if ok else "disagrees with the reference: " + problems[0],
+                                  asdict(timing) if timing else None))
+            if progress:
+                progress(f"{shape.name} {name}")
+        del d
+        torch.cuda.empty_cache()
+    return results, _provenance(cfg, lib, ident, ceil, seed, l2)
 
 
 # ------------------------------------------------------------------------------------------- reporting

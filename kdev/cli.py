@@ -269,7 +269,8 @@ def bench_cmd(
     library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
     json_out: bool = JsonOpt,
 ):
-    """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings."""
+    """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings (and, with the
+    tree-kernels sweep, the DDTree build, accept and compaction kernels)."""
     from kdev import bench
 
     if plot_metric not in ("time", "roofline"):
@@ -284,8 +285,9 @@ def bench_cmd(
         peers = {}
         for spec in peer or []:
             peers[spec] = bench.load_peer(spec)
-        backends = [b.strip() for b in (backend.split(",") if backend else cfg.backends) if b.strip()] + list(peers)
-        bad = [b for b in backends if b not in ("flash", "naive", "torch-eager", "torch-sdpa") and b not in peers]
+        default = cfg.sweep_backends.get(sweep or "smoke", cfg.backends) if not shape else cfg.backends
+        backends = [b.strip() for b in (backend.split(",") if backend else default) if b.strip()] + list(peers)
+        bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
         lib = abi.load_library(library, report.info)
@@ -302,8 +304,16 @@ def bench_cmd(
                     report.emit_json({"ceilings": c, "gpu": ident})
                 return
         shapes = bench.expand(cfg, sweep, shape, axis)
+        tree = [b for b in backends if b in bench.TREE_BACKENDS]
+        attention = [b for b in backends if b not in bench.TREE_BACKENDS]
+        results = []
         with report.progress(f"bench {sweep or ('shape' if shape else 'smoke')}", len(shapes) * len(backends)) as adv:
-            results, prov = bench.run_bench(shapes, backends, cfg, lib, peers, seed, adv)
+            if attention:
+                res, prov = bench.run_bench(shapes, attention, cfg, lib, peers, seed, adv)
+                results += res
+            if tree:
+                res, prov = bench.run_tree_bench(shapes, tree, cfg, lib, seed, adv)
+                results += res
         doc = {"provenance": prov, "sweep": sweep or ("shape" if shape else "smoke"),
                "results": [dict(r.__dict__) for r in results]}
     results = doc["results"]

@@ -105,3 +105,13 @@ def test_no_gpu_is_exit_3():
         pytest.skip("a GPU is present")
     r = CliRunner().invoke(app, ["bench", "--sweep", "smoke"])
     assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
+
+
+def test_tree_kernel_sweep_and_backend_validation(write_yaml):
+    cfg = bench.load_bench()
+    shapes = bench.expand(cfg, "tree-kernels", None, None)
+    assert {s.budget for s in shapes} == {16, 64, 256, 1024} and {s.batch for s in shapes} == {1, 4, 16}
+    assert cfg.sweep_backends["tree-kernels"] == bench.TREE_BACKENDS
+    p = write_yaml("b.yaml", "sweeps:\n  x:\n    backends: [flash, fastest]\n    axes: {batch: [1]}\n")
+    with pytest.raises(BadInput, match="unknown backend 'fastest'"):
+        bench.load_bench(p)

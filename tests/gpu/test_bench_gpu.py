@@ -33,3 +33,15 @@ def test_a_wrong_peer_is_reported_not_ranked(lib):
     by = {r.backend: r for r in results}
     assert by["flash"].agrees and by["flash"].timing
     assert not by["wrong"].agrees and by["wrong"].timing is None and "disagrees with naive" in by["wrong"].check
+
+
+def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
+    cfg = bench.load_bench()
+    shapes = bench.expand(cfg, None, ["B=2,L=1000,N=16", "B=3,L=70,N=64,page=1"], None)
+    results, _ = bench.run_tree_bench(shapes, list(bench.TREE_BACKENDS), cfg, lib, seed=5)
+    assert len(results) == 2 * len(bench.TREE_BACKENDS)
+    for r in results:
+        assert r.agrees, (r.shape, r.backend, r.check)
+        assert r.timing["median_us"] > 0
+        if r.backend == "compact":
+            assert r.bytes >= 2 * 2 * 1152 * 2  # at least the roots of two requests, read and written
