@@ -101,3 +101,34 @@ def test_cli_refuses_tampered_and_stale_suites_before_anything(tiny_suites, tmp_
 def test_unknown_kernel_is_usage_error():
     r = CliRunner().invoke(app, ["verify", "--kernel", "naive,fastest"])
     assert r.exit_code == 2 and "fastest" in r.output
+
+
+class FakeLibrary:
+    """Stands in for the CUDA library: returns the golden outputs rounded as a kernel would store them,
+    optionally with one element of one kernel's output moved."""
+
+    def __init__(self, tensors, perturb=None):
+        self.t, self.perturb = tensors, perturb
+
+    def run(self, kernel, x, sync=True):
+        out = self.t["out"].to(torch.bfloat16).clone()
+        lse = self.t["lse"].to(torch.float32).clone()
+        if self.perturb and kernel == self.perturb[0]:
+            out[self.perturb[1]] += 0.5
+        return out, lse
+
+
+def test_check_case_passes_golden_like_outputs_and_catches_a_perturbed_one():
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[3]
+    t = suite.load_case(entry)
+    tol = suite.tolerances(entry)
+    res = verify.check_case(FakeLibrary(t), entry["name"], t, entry["scale"], tol, ["naive", "flash"], 2, {}, "cpu")
+    assert [(r.kernel, r.against, r.passed) for r in res] == [("naive", "golden", True), ("flash", "golden", True),
+                                                              ("flash", "naive", True)]
+    assert res[0].repeat_identical is True and res[0].token.nodes == t["q"].shape[0]
+    res = verify.check_case(FakeLibrary(t, ("flash", (4, 2, 9))), entry["name"], t, entry["scale"], tol,
+                            ["naive", "flash"], 1, {}, "cpu")
+    bad = [r for r in res if not r.passed]
+    assert [(r.kernel, r.against) for r in bad] == [("flash", "golden"), ("flash", "naive")]
+    assert bad[0].out.worst[0][0] == (4, 2, 9)  # the moved element is named first
