@@ -202,10 +202,10 @@ def verify_cmd(
     from kdev import abi, gpu, verify
 
     kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
-    if not fuzz:  # a tampered, truncated or stale suite is refused before anything else (exit 2)
+    if not fuzz:  # a tampered, truncated, stale or drifted suite is refused before anything else (exit 2)
         from kdev import vectors
 
-        vectors.open_suite(suite, allow_stale=allow_stale, warn=report.warn).check_integrity()
+        verify.open_checked_suite(suite, allow_stale, report.warn)
     gpu.require_cuda("kdev verify")
     if fuzz:
         seed = seed if seed is not None else secrets.randbits(31)

@@ -150,11 +150,16 @@ def probe_vectors(repo: Path, suites: tuple) -> Probe:
     from kdev import vectors
     from kdev.errors import KdevError
 
+    from kdev import config
+
     problems, ok = [], []
     for name in suites:
         try:
             s = vectors.open_suite(name, root=repo / "vectors")
             s.check_integrity()
+            configured = config.load_suites(repo / "configs" / "suites.yaml")
+            if name in configured:
+                problems += [f"{name}: {d}" for d in s.config_drift(configured[name])]
             ok.append(f"{name} ({len(s.cases)} cases)")
         except KdevError as e:
             problems.append(str(e))

@@ -330,6 +330,26 @@ class Suite:
         for entry in self.cases:
             self.load_case(entry)
 
+    def config_drift(self, spec: SuiteSpec) -> list[str]:
+        """Where the manifest no longer says what the suite config says: the case set, each case's spec,
+        tolerances and softmax scale. The sha256 values protect the vector files, not the manifest itself,
+        so this is what catches a tolerance loosened by hand. One line per problem."""
+        problems = []
+        on_disk = {e["name"]: e for e in self.cases}
+        for name in sorted(set(on_disk) - {c.name for c in spec.cases}):
+            problems.append(f"{on_disk[name]['file']}: on disk but not in the suite config")
+        for cs in spec.cases:
+            e = on_disk.get(cs.name)
+            if e is None:
+                problems.append(f"{cs.name}.safetensors: in the suite config but not on disk")
+                continue
+            for what, stored, want in (("spec", e.get("spec"), cs.to_dict()),
+                                       ("tolerances", e.get("tolerances"), cs.tolerances.to_dict()),
+                                       ("scale", e.get("scale"), load_model(cs.model).softmax_scale)):
+                if stored != want:
+                    problems.append(f"{e['file']}: manifest {what} {stored!r} differs from the config's {want!r}")
+        return problems
+
 
 def resolve_suite_path(name_or_path: str, root: Path | None = None) -> Path:
     p = Path(name_or_path)
@@ -369,16 +389,13 @@ def open_suite(name_or_path: str, root: Path | None = None, allow_stale: bool = 
 
 # ------------------------------------------------------------------------------------------ --check
 def check_suite(spec: SuiteSpec, suite: Suite, device: str = "cpu", rel_tol: float = 1e-12, progress=None) -> list[str]:
-    """Regenerate each case in memory and compare with disk: inputs bit-identical, golden outputs within
-    rel_tol of the largest magnitude (plus, for the float32-stored out, its storage rounding per element).
-    Returns one problem line per differing file."""
-    problems = []
+    """The manifest against the config (config_drift), then every case regenerated in memory and compared
+    with disk: inputs bit-identical, golden outputs within rel_tol of the largest magnitude (plus, for the
+    float32-stored out, its storage rounding per element). Returns one problem line per difference."""
+    problems = suite.config_drift(spec)
     on_disk = {e["name"]: e for e in suite.cases}
-    for name in sorted(set(on_disk) - {c.name for c in spec.cases}):
-        problems.append(f"{on_disk[name]['file']}: on disk but not in the suite config")
     for cs in spec.cases:
         if cs.name not in on_disk:
-            problems.append(f"{cs.name}.safetensors: in the suite config but not on disk")
             continue
         stored = suite.load_case(on_disk[cs.name])
         case = generate_case(cs, device)

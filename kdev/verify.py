@@ -391,13 +391,28 @@ class VerifyRun:
         return self.record["passed"]
 
 
+def open_checked_suite(suite_ref: str, allow_stale: bool = False, warn=None) -> vectors.Suite:
+    """Open a suite and refuse it (BadInput) when a file fails its sha256, when its generator is stale
+    (unless allow_stale), or when its manifest drifted from configs/suites.yaml (named suites only)."""
+    from kdev import config
+    from kdev.errors import BadInput
+
+    suite = vectors.open_suite(suite_ref, allow_stale=allow_stale, warn=warn)
+    suite.check_integrity()
+    configured = config.load_suites()
+    if suite.name in configured and suite.path.resolve() == (vectors.default_vectors_root() / suite.name).resolve():
+        drift = suite.config_drift(configured[suite.name])
+        if drift:
+            raise BadInput(f"{suite.path}: manifest disagrees with configs/suites.yaml: {drift[0]}")
+    return suite
+
+
 def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[str] | None = None,
               allow_stale: bool = False, lib_path=None, log=None, warn=None, progress=None,
               write_ledger: bool = True) -> VerifyRun:
     from kdev import gpu
 
-    suite = vectors.open_suite(suite_ref, allow_stale=allow_stale, warn=warn)
-    suite.check_integrity()  # every file against its sha256 before anything runs
+    suite = open_checked_suite(suite_ref, allow_stale, warn)
     gpu.require_cuda("kdev verify")
     entries = suite.cases
     if cases:

@@ -184,3 +184,18 @@ def test_cli_exit_codes(repo, tmp_path, monkeypatch):
     assert runner.invoke(app, ["deploy-check", "--repo", str(repo), "--strict"]).exit_code == 1
     assert runner.invoke(app, ["deploy-check", "--repo", str(repo), "--require-gpu"]).exit_code == 1
     assert runner.invoke(app, ["deploy-check", "--target", "blackwell"]).exit_code == 2
+
+
+def test_manifest_drift_fails_the_vectors_probe(repo, tmp_path):
+    import yaml
+
+    mpath = repo / "vectors" / "smoke" / "manifest.yaml"
+    text = mpath.read_text()
+    m = yaml.safe_load(text)
+    m["cases"][2]["tolerances"]["out"]["rtol"] = 0.9
+    mpath.write_text(yaml.safe_dump(m, sort_keys=False))
+    try:
+        p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=tmp_path)[0])
+        assert p["vectors"].status == "fail" and "manifest tolerances" in p["vectors"].reason
+    finally:
+        mpath.write_text(text)

@@ -126,3 +126,17 @@ def test_committed_smoke_suite_is_intact_and_current():
     total = sum(os.path.getsize(suite.path / c["file"]) for c in suite.cases)
     assert total <= 16 * 1024 * 1024
     assert max(max(c["tree_sizes"]) for c in suite.cases) > 64 and min(min(c["tree_sizes"]) for c in suite.cases) == 1
+
+
+def test_hand_loosened_tolerance_in_the_manifest_is_caught(tiny):
+    spec, root = tiny
+    mpath = root / "tiny" / "manifest.yaml"
+    m = yaml.safe_load(mpath.read_text())
+    assert vectors.open_suite(str(root / "tiny")).config_drift(spec) == []
+    m["cases"][0]["tolerances"]["out"]["atol"] = 1.0
+    mpath.write_text(yaml.safe_dump(m, sort_keys=False))
+    suite = vectors.open_suite(str(root / "tiny"))
+    suite.check_integrity()  # the vector files themselves are intact
+    drift = suite.config_drift(spec)
+    assert len(drift) == 1 and drift[0].startswith("a.safetensors: manifest tolerances")
+    assert vectors.check_suite(spec, suite)[0] == drift[0]

@@ -132,3 +132,21 @@ def test_check_case_passes_golden_like_outputs_and_catches_a_perturbed_one():
     bad = [r for r in res if not r.passed]
     assert [(r.kernel, r.against) for r in bad] == [("flash", "golden"), ("flash", "naive")]
     assert bad[0].out.worst[0][0] == (4, 2, 9)  # the moved element is named first
+
+
+def test_verify_refuses_a_manifest_that_drifted_from_the_config(tiny_suites, tmp_path, monkeypatch):
+    import yaml
+
+    from kdev import config
+
+    spec = config.load_suite("tiny", tiny_suites)
+    vectors.write_suite(spec, tmp_path)
+    monkeypatch.setattr(vectors, "default_vectors_root", lambda: tmp_path)
+    monkeypatch.setattr(config, "load_suites", lambda *a: {"tiny": spec})
+    assert verify.open_checked_suite("tiny").name == "tiny"
+    mpath = tmp_path / "tiny" / "manifest.yaml"
+    m = yaml.safe_load(mpath.read_text())
+    m["cases"][1]["tolerances"]["lse"]["rtol"] = 0.5
+    mpath.write_text(yaml.safe_dump(m, sort_keys=False))
+    r = CliRunner().invoke(app, ["verify", "--suite", "tiny"])
+    assert r.exit_code == 2 and "manifest disagrees with configs/suites.yaml" in r.stderr and "b.safetensors" in r.stderr
