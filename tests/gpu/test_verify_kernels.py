@@ -161,3 +161,29 @@ def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
     run = verify.run_fuzz(200, seed, kernels, max_prefix=16384, lib_path=lib.path, failures_root=tmp_path,
                           write_ledger=False)
     assert run.passed, (seed, run.record["failures"][:3])
+
+
+def test_verify_kernels_replay_from_a_cuda_graph(lib):
+    """The ABI allocates nothing and never syncs, so a call can be captured once and replayed (how SGLang
+    runs decode). Bounds are computed before the capture: params() reads q_indptr on the host."""
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[4]
+    t = suite.load_case(entry)
+    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    for kernel in KERNELS:
+        direct, _ = lib.run(kernel, x)
+        out, lse = lib.alloc_outputs(x)
+        p = lib.params(x, out, lse)
+        ws = lib.alloc_workspace(kernel, p, x.q.device)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            lib.call(kernel, p)
+        for _ in range(2):
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.view(torch.int16), direct.view(torch.int16)), kernel
+            assert compare("lse", lse, t["lse"], suite.tolerances(entry).lse).passed
+        del ws
