@@ -281,6 +281,7 @@ def bench_cmd(
     else:
         from kdev import abi, gpu
 
+        shapes = bench.expand(cfg, sweep, shape, axis)  # bad shapes are exit 2 even without a GPU
         gpu.require_cuda("kdev bench")
         peers = {}
         for spec in peer or []:
@@ -303,7 +304,6 @@ def bench_cmd(
                 if json_out:
                     report.emit_json({"ceilings": c, "gpu": ident})
                 return
-        shapes = bench.expand(cfg, sweep, shape, axis)
         tree = [b for b in backends if b in bench.TREE_BACKENDS]
         attention = [b for b in backends if b not in bench.TREE_BACKENDS]
         results = []
