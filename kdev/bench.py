@@ -13,8 +13,8 @@ mask) get the request's KV gathered into contiguous tensors before timing (the f
 the paged cache themselves). A `--peer module:function` is called as
     fn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale) -> out  or  (out, lse)
 with the contract's tensors (DESIGN §2) and must return out [N_q, H, 512] (any float dtype).
-Every backend's output is checked against the naive oracle before it is timed; one that disagrees is
-reported and not ranked.
+Every backend's output is checked against the naive oracle before it is timed, and the output of its last
+timed run (written over NaN) after; one that disagrees is reported and not ranked.
 """
 
 from __future__ import annotations
@@ -247,13 +247,19 @@ def make_inputs(shape: Shape, seed: int, device):
 
 # -------------------------------------------------------------------------------------------- backends
 class Runner:
-    """prepare() has run; run() launches once on the current stream; out/lse hold the last outputs."""
+    """Constructed = prepared; run() launches once on the current stream; out/lse hold the last outputs;
+    poison() fills them with NaN (before every timed sample, outside the timed region)."""
 
     out = None
     lse = None
 
     def run(self) -> None:
         raise NotImplementedError
+
+    def poison(self) -> None:
+        for t in (self.out, self.lse):
+            if t is not None:
+                t.fill_(float("nan"))
 
 
 class AbiRunner(Runner):
@@ -375,8 +381,9 @@ class Timing:
     sm_clock_mhz: list = field(default_factory=list)  # [min, max] seen during samples
 
 
-def measure(run, method: Method, flush, nvml=None, handle=None) -> Timing:
-    """Cold-L2 samples timed with CUDA events around one call each."""
+def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=None) -> Timing:
+    """Cold-L2 samples timed with CUDA events around one call each. before_sample (outputs poisoned, say)
+    runs before the flush, outside the timed region."""
     import torch
 
     from kdev import gpu
@@ -389,6 +396,8 @@ def measure(run, method: Method, flush, nvml=None, handle=None) -> Timing:
     stop = "max-samples"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(samples) < method.max_samples:
+        if before_sample is not None:
+            before_sample()
         flush.add_(1)  # touches 2x L2 worth of bytes: nothing of the inputs survives in L2
         start.record()
         run()
@@ -551,24 +560,31 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         oracle = make_runner("naive", x, lib, peers)
         oracle.run()
         torch.cuda.synchronize()
+        ref_out, ref_lse = oracle.out.float().clone(), oracle.lse.clone()  # the oracle is timed (poisoned) too
         for name in backends:
             runner = make_runner(name, x, lib, peers) if name != "naive" else oracle
             runner.run()
             torch.cuda.synchronize()
-            c = compare("out", runner.out.float(), oracle.out.float(), cfg.method.tolerance)
+            c = compare("out", runner.out.float(), ref_out, cfg.method.tolerance)
             ok = c.passed
             reason = c.reason
             if ok and runner.lse is not None:
-                cl = compare("lse", runner.lse, oracle.lse, Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8))
+                cl = compare("lse", runner.lse, ref_lse, Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8))
                 ok, reason = cl.passed, cl.reason
-            timing = measure(runner.run, cfg.method, flush, nvml, handle) if ok else None
+            timing = measure(runner.run, cfg.method, flush, nvml, handle, runner.poison) if ok else None
+            if timing is not None:
+                # The last timed run wrote over NaN: its output must agree too (no stale or partial outputs).
+                torch.cuda.synchronize()
+                c = compare("out", runner.out.float(), ref_out, cfg.method.tolerance)
+                if not c.passed:
+                    ok, reason, timing = False, f"timed run: {c.reason}", None
             results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", ok,
                                   "ok" if ok else f"disagrees with naive: {reason}",
                                   asdict(timing) if timing else None, getattr(runner, "splits", None)))
             if progress:
                 progress(f"{shape.name} {name}")
             del runner
-        del oracle, x
+        del oracle, x, ref_out, ref_lse
         torch.cuda.empty_cache()
     return results, _provenance(cfg, lib, ident, ceil, seed, l2)
 
