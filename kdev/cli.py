@@ -199,15 +199,14 @@ def verify_cmd(
     """Compare the verify kernels with golden vectors (or fuzz cases): elementwise, token-exact, repeatable."""
     import secrets
 
-    from kdev import abi, gpu, verify
+    from kdev import abi, vectors, verify
 
     kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
-    if not fuzz:  # a tampered, truncated, stale or drifted suite is refused before anything else (exit 2)
-        from kdev import vectors
-
-        verify.open_checked_suite(suite, allow_stale, report.warn)
-    gpu.require_cuda("kdev verify")
+    # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
+        from kdev import gpu
+
+        gpu.require_cuda("kdev verify --fuzz")
         seed = seed if seed is not None else secrets.randbits(31)
         report.info(f"fuzz: {fuzz} cases, seed {seed} (replay with --fuzz {fuzz} --seed {seed})")
         with report.progress("fuzz", fuzz) as advance:
