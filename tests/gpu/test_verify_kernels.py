@@ -25,6 +25,14 @@ def _check(lib, kernel, tensors, scale, tol, label):
     return out, lse
 
 
+def _smoke_case(index: int):
+    """(suite, manifest entry, tensors, VerifyInputs on the GPU) of one committed smoke case."""
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[index]
+    t = suite.load_case(entry)
+    return suite, entry, t, abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_smoke_goldens(lib, kernel):
     suite = vectors.open_suite("smoke")
@@ -86,10 +94,7 @@ def test_limits_t1025_and_h64(lib):
 
 
 def test_perturbed_output_is_caught(lib):
-    suite = vectors.open_suite("smoke")
-    entry = suite.cases[3]
-    t = suite.load_case(entry)
-    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    suite, entry, t, x = _smoke_case(3)
     for kernel in KERNELS:
         out, _ = lib.run(kernel, x)
         out[5, 3, 100] += 0.25
@@ -98,10 +103,7 @@ def test_perturbed_output_is_caught(lib):
 
 
 def test_bad_arguments_return_status_and_launch_nothing(lib):
-    suite = vectors.open_suite("smoke")
-    entry = suite.cases[4]
-    t = suite.load_case(entry)
-    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    suite, entry, t, x = _smoke_case(4)
     out, lse = lib.alloc_outputs(x)
     for field, value, message in [("num_heads", 0, "num_heads 0"), ("mask_words", 0, "mask_words 0"),
                                   ("page_size", 48, "page_size 48"), ("max_qlen", 2000, "max_qlen 2000"),
@@ -166,10 +168,7 @@ def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
 def test_verify_kernels_replay_from_a_cuda_graph(lib):
     """The ABI allocates nothing and never syncs, so a call can be captured once and replayed (how SGLang
     runs decode). Bounds are computed before the capture: params() reads q_indptr on the host."""
-    suite = vectors.open_suite("smoke")
-    entry = suite.cases[4]
-    t = suite.load_case(entry)
-    x = abi.VerifyInputs.from_case(t, entry["scale"], "cuda")
+    suite, entry, t, x = _smoke_case(4)
     for kernel in KERNELS:
         direct, _ = lib.run(kernel, x)
         out, lse = lib.alloc_outputs(x)
