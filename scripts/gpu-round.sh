@@ -29,14 +29,16 @@ declare -A RC
 step() {  # step NAME CMD...: run, log, remember the exit code
   local name="$1"; shift
   echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
   "$@" 2>&1 | tee -a "$LOG" | tail -n 40
   RC[$name]=${PIPESTATUS[0]}
+  echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
 if [ "$ONLY_DEPLOY" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
-  step gpu-tests python3 -m pytest -q -m gpu tests/gpu -x
+  step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
 step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
 step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
