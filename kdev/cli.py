@@ -221,8 +221,10 @@ def verify_cmd(
     if json_out:
         report.emit_json(doc)
     else:
+        # a suite shows every case; a fuzz run (thousands of checks) its failures and one row per kernel
+        shown = run.results if run.kind == "suite" else [r for r in run.results if not r.passed]
         rows = []
-        for r in run.results:
+        for r in shown:
             vs = "" if r.against == "golden" else f" vs {r.against}"
             if r.out is None:  # an error, or an exact-equality kernel
                 rows.append([r.case, r.kernel + vs, "-", "-", "-", r.error or r.note,
@@ -232,8 +234,14 @@ def verify_cmd(
                          report.fmt_float(r.lse.max_abs), r.token.label(),
                          "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
         title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
-        report.show(report.table(title, ["case", "kernel", "max |err| out", "cos diff", "max |err| lse",
-                                         "token-exact", "verdict"], rows, {"left": ("case", "kernel")}))
+        columns = ["case", "kernel", "max |err| out", "cos diff", "max |err| lse", "token-exact", "verdict"]
+        if rows:
+            report.show(report.table(title, columns, rows, {"left": ("case", "kernel")}))
+        if run.kind == "fuzz":
+            report.show(report.table(f"{title}: worst over all cases", ["kernel", *columns[2:]],
+                                     _worst_rows(run.results), {"left": ("kernel",)}))
+            secs = run.record["suite"].get("seconds", {})
+            report.info("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in secs.items()))
         for f in run.record["failures"]:
             report.error(f"{f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}")
         for path in run.saved_failures:
@@ -245,6 +253,26 @@ def verify_cmd(
         report.show(f"{verdict} {summary}{seed_note}; ledger {run.ledger_path}")
     if not run.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _worst_rows(results) -> list[list]:
+    """One row per kernel (and pairwise comparison): the worst of each metric over all its checks."""
+    groups: dict[str, list] = {}
+    for r in results:
+        groups.setdefault(r.kernel + ("" if r.against == "golden" else f" vs {r.against}"), []).append(r)
+    rows = []
+    for name, rs in groups.items():
+        failed = sum(not r.passed for r in rs)
+        verdict = "[green]pass[/]" if not failed else f"[red]FAIL {failed}[/]"
+        with_out = [r for r in rs if r.out is not None]
+        if not with_out:
+            rows.append([name, "-", "-", "-", f"{len(rs)} checks exact", verdict])
+            continue
+        ties = sum(r.token.ties for r in with_out if r.token)
+        rows.append([name, report.fmt_float(max(r.out.max_abs for r in with_out)),
+                     f"{max(r.out.cos_diff for r in with_out):.1e}", report.fmt_float(max(r.lse.max_abs for r in with_out)),
+                     f"{len(with_out)} checks, {ties} ties", verdict])
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------ bench

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -46,7 +47,19 @@ def error(msg: str) -> None:
 
 @contextlib.contextmanager
 def progress(label: str, total: int):
-    """Yields advance(text) for a bar on stderr; transient so that only the results remain."""
+    """Yields advance(text) for a bar on stderr; transient so that only the results remain. Without a
+    terminal (a log file, CI) a bar draws nothing, so a line is printed at every tenth of the work instead:
+    a long run that is killed still says how far it got and at what rate."""
+    if not stderr.is_terminal:
+        t0, done, step = time.monotonic(), [0], max(1, total // 10)
+
+        def advance_line(item: str = "") -> None:
+            done[0] += 1
+            if done[0] % step == 0 or done[0] == total:
+                stderr.print(f"{label}: {done[0]}/{total} after {time.monotonic() - t0:.0f} s ({item})")
+
+        yield advance_line
+        return
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=stderr, transient=True)
     with bar:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,13 +167,15 @@ def _padded(flat: torch.Tensor, indptr: list[int], t_max: int, fill: int) -> tor
     return out
 
 
-def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict, device) -> CaseResult | None:
+def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict, device,
+                      on_device: dict | None = None) -> CaseResult | None:
     """ddtree / accept / compact against the reference's golden outputs: exact equality. None when the
-    case has nothing for this kernel (ddtree needs drafter distributions)."""
+    case has nothing for this kernel (ddtree needs drafter distributions). on_device: the case's tensors
+    already on `device` (shared by the three kernels so that a large cache crosses PCIe once)."""
     ind = tensors["q_indptr"].tolist()
     sizes = [b - a for a, b in zip(ind[:-1], ind[1:])]
     B, t_max = len(sizes), max(sizes)
-    t = {k: v.to(device) for k, v in tensors.items()}
+    t = on_device if on_device is not None else {k: v.to(device) for k, v in tensors.items()}
     bad = []
     if kernel == "ddtree":
         if "drafter_log_probs" not in tensors or len(set(sizes)) != 1:
@@ -208,13 +211,16 @@ def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict
         tk.compact_kv(kv, t["page_table"], t["prefix_lens"], t["accept_nodes"], t["accept_len"])
         torch.cuda.synchronize()
         want = t["kv_cache"].clone()
-        rows = t["compact_rows"]
-        r, ps = 0, kv.shape[1]
+        ps = kv.shape[1]
+        pages, slots = [], []
         for b in range(B):
             L = int(tensors["prefix_lens"][b])
-            for i in range(int(tensors["accept_len"][b])):
-                want[int(tensors["page_table"][b, (L + i) // ps]), (L + i) % ps] = rows[r]
-                r += 1
+            for pos in range(L, L + int(tensors["accept_len"][b])):
+                pages.append(int(tensors["page_table"][b, pos // ps]))
+                slots.append(pos % ps)
+        r = len(pages)
+        if r:  # slots are distinct, so one indexed write is the same as the row-by-row one
+            want[torch.tensor(pages, device=device), torch.tensor(slots, device=device)] = t["compact_rows"]
         diff = kv.view(torch.int16) != want.view(torch.int16)  # bitwise, NaN slots included
         if bool(diff.any()):
             bad.append(f"{int(diff.any(-1).sum())} KV row(s) differ from the reference compaction")
@@ -230,9 +236,10 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
     tree_kernels = [k for k in kernels if k in TREE_KERNELS]
     if tree_kernels:
         tk = abi.TreeKernels(lib)
+        on_device = {k: v.to(device) for k, v in tensors.items()}
         for k in tree_kernels:
             try:
-                r = check_tree_kernel(tk, k, name, tensors, device)
+                r = check_tree_kernel(tk, k, name, tensors, device, on_device)
             except abi.KernelError as e:
                 r = CaseResult(name, k, "golden", False, error=str(e))
             if r is not None:
@@ -450,17 +457,23 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)
     results, saved, proj_cache = [], [], {}
+    seconds = {"generate": 0.0, "check": 0.0}  # where a long fuzz run spends its time, in the record
     for i in range(n):
+        t0 = time.monotonic()
         spec = fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes)
         case = vectors.generate_case(spec, device="cuda")
+        t1 = time.monotonic()
         rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device)
+        seconds["generate"] += t1 - t0
+        seconds["check"] += time.monotonic() - t1
         results += rs
         if not all(r.passed for r in rs):
             saved.append(str(vectors.append_case(failures_root or vectors.default_vectors_root(), FUZZ_SUITE, case,
                                                  "failing fuzz cases, kept as regression vectors")))
         if progress:
             progress(spec.name)
-    info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat}
+    info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat,
+            "seconds": {k: round(v, 1) for k, v in seconds.items()}}
     record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info)
     path = append_record(record) if write_ledger else None
     return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)
