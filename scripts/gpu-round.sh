@@ -3,7 +3,9 @@
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--skip-tests] [--sanitize]
-#                               [--deploy-check | --deploy-only]
+#                               [--deploy-check | --deploy-only] [--profile SHAPE]...
+# --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
+# shape (full section set, clocks left alone); the report goes under $OUT as text.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -12,6 +14,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= DEPLOY=0 ONLY_DEPLOY=0
+PROFILES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -21,6 +24,7 @@ while [ $# -gt 0 ]; do
     --sanitize) SANITIZE=1; shift ;;
     --deploy-check) DEPLOY=1; shift ;;
     --deploy-only) DEPLOY=1; ONLY_DEPLOY=1; SKIP_TESTS=1; shift ;;
+    --profile) PROFILES+=("$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -54,6 +58,12 @@ for sw in ${SWEEP//,/ }; do
     ${BASELINE:+--baseline "$BASELINE"}
 done
 fi
+for shape in "${PROFILES[@]}"; do
+  name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
+  step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:verify_attn_flash_kernel \
+    --launch-skip 2 --launch-count 1 --log-file "$OUT/$name.txt" \
+    python3 -m kdev bench --shape "$shape" --backend flash
+done
 if [ "$DEPLOY" = 1 ]; then
   # deploy-check reads git history; a tree copied without it is checked as a snapshot repository in a
   # temporary folder (the tree itself is left alone)
