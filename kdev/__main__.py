@@ -1,3 +1,4 @@
 from kdev.cli import main
 
-main()
+if __name__ == "__main__":  # fuzz workers are spawned processes: importing this module must not run the CLI
+    main()

@@ -133,6 +133,13 @@ def make_paged_kv(rng: np.random.Generator, lengths: list[int], page_size: int):
 
 
 def generate_case(spec: CaseSpec, device: str = "cpu") -> CaseData:
+    """A case's inputs (CPU, bit-identical on every machine) and its float64 goldens computed on `device`."""
+    return finish_case(generate_inputs(spec), device)
+
+
+def generate_inputs(spec: CaseSpec) -> "CaseInputs":
+    """Everything of a case but the attention goldens: inputs, trees, drafter distributions and the accept
+    and compaction goldens. CPU only and picklable, so fuzz runs make these in worker processes."""
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     model = load_model(spec.model)
     trees, dists = make_trees(spec, rng)
@@ -157,12 +164,26 @@ def generate_case(spec: CaseSpec, device: str = "cpu") -> CaseData:
     if dists:
         tensors["drafter_log_probs"] = torch.from_numpy(np.stack([d.log_probs for d in dists]))
         tensors["drafter_token_ids"] = torch.from_numpy(np.stack([d.token_ids for d in dists]))
-    scale = model.softmax_scale
-    out, lse = mla.reference_verify_attn(q, kv_cache, page_table, tensors["prefix_lens"], q_indptr, tree_mask,
-                                         scale, device=device)
-    tensors["out"], tensors["lse"] = out.cpu().to(torch.float32), lse.cpu()
+    # the accept goldens draw from rng after the inputs: the same order as when the goldens came first
     tensors.update(accept_goldens(rng, trees, spec.prefix_lens, kv_cache, page_table))
-    return CaseData(spec, tensors, scale, {"out": out.cpu(), "lse": lse.cpu()})
+    return CaseInputs(spec, tensors, model.softmax_scale)
+
+
+@dataclass
+class CaseInputs:
+    spec: CaseSpec
+    tensors: dict
+    scale: float
+
+
+def finish_case(inputs: CaseInputs, device: str = "cpu") -> CaseData:
+    """Add the float64 reference's out and lse (computed on `device`) to a case's inputs."""
+    t = inputs.tensors
+    out, lse = mla.reference_verify_attn(t["q"], t["kv_cache"], t["page_table"], t["prefix_lens"],
+                                         t["q_indptr"].numpy(), t["tree_mask"], inputs.scale, device=device)
+    tensors = dict(t)
+    tensors["out"], tensors["lse"] = out.cpu().to(torch.float32), lse.cpu()
+    return CaseData(inputs.spec, tensors, inputs.scale, {"out": out.cpu(), "lse": lse.cpu()})
 
 
 def accept_goldens(rng: np.random.Generator, trees: list, prefix_lens, kv_cache: torch.Tensor,

@@ -321,6 +321,24 @@ def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: i
                     seed=int(rng.integers(0, 2**31 - 1)), model="kimi-k2.6", tolerances=DEFAULT_TOLERANCES)
 
 
+def _prefetched_inputs(specs: list[CaseSpec]):
+    """Yields (spec, future of its CaseInputs) in order. The CPU-side inputs (random rows, trees, accept
+    goldens) are made in worker processes while the GPU checks earlier cases; at most two per worker are
+    in flight, so a run of large cases never holds more than a few in memory."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        window = [(s, pool.submit(vectors.generate_inputs, s)) for s in specs[:2 * workers]]
+        for i in range(len(specs)):
+            spec, fut = window.pop(0)
+            if i + len(window) + 1 < len(specs):
+                nxt = specs[i + len(window) + 1]
+                window.append((nxt, pool.submit(vectors.generate_inputs, nxt)))
+            yield spec, fut
+
+
 # -------------------------------------------------------------------------------------------- ledger
 def ledger_dir() -> Path:
     return Path(os.environ.get("KDEV_LEDGER", REPO_ROOT / ".kdev" / "ledger"))
@@ -456,16 +474,21 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
     max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)
+    specs = [fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes) for i in range(n)]
     results, saved, proj_cache = [], [], {}
-    seconds = {"generate": 0.0, "check": 0.0}  # where a long fuzz run spends its time, in the record
-    for i in range(n):
+    # where a long fuzz run spends its time (in the record): waiting for the CPU-side inputs, the float64
+    # reference on the GPU, and running and checking the kernels
+    seconds = {"inputs": 0.0, "reference": 0.0, "check": 0.0}
+    for spec, fut in _prefetched_inputs(specs):
         t0 = time.monotonic()
-        spec = fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes)
-        case = vectors.generate_case(spec, device="cuda")
+        inputs = fut.result()
         t1 = time.monotonic()
+        case = vectors.finish_case(inputs, device="cuda")
+        t2 = time.monotonic()
         rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device)
-        seconds["generate"] += t1 - t0
-        seconds["check"] += time.monotonic() - t1
+        seconds["inputs"] += t1 - t0
+        seconds["reference"] += t2 - t1
+        seconds["check"] += time.monotonic() - t2
         results += rs
         if not all(r.passed for r in rs):
             saved.append(str(vectors.append_case(failures_root or vectors.default_vectors_root(), FUZZ_SUITE, case,

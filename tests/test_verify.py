@@ -150,3 +150,35 @@ def test_verify_refuses_a_manifest_that_drifted_from_the_config(tiny_suites, tmp
     mpath.write_text(yaml.safe_dump(m, sort_keys=False))
     r = CliRunner().invoke(app, ["verify", "--suite", "tiny"])
     assert r.exit_code == 2 and "manifest disagrees with configs/suites.yaml" in r.stderr and "b.safetensors" in r.stderr
+
+
+def test_fuzz_inputs_come_from_worker_processes_in_order_and_equal_direct_generation():
+    rng = np.random.default_rng(11)
+    specs = [verify.fuzz_spec(rng, f"f{i}", 300, 20) for i in range(5)]
+    got = [(spec.name, fut.result()) for spec, fut in verify._prefetched_inputs(specs)]
+    assert [name for name, _ in got] == [s.name for s in specs]
+    for spec, (_, inputs) in zip(specs, got):
+        direct = vectors.generate_inputs(spec)
+        assert inputs.tensors.keys() == direct.tensors.keys()
+        for k, v in direct.tensors.items():
+            assert torch.equal(inputs.tensors[k].view(torch.uint8) if v.dtype == torch.bfloat16 else inputs.tensors[k],
+                               v.view(torch.uint8) if v.dtype == torch.bfloat16 else v), k
+
+
+def test_fuzz_summary_keeps_the_worst_of_every_metric():
+    from kdev.cli import _worst_rows
+    from kdev.compare import compare
+    from kdev.config import Tolerance
+
+    tol = Tolerance(atol=1e-2, rtol=1e-2, cos_diff=1e-3)
+    want = torch.linspace(1, 2, 64)
+    small = compare("out", want + 1e-4, want, tol)
+    large = compare("out", want + 5e-3, want, tol)
+    tok = verify.TokenResult(True, 4, 0, 1, 0, 0)
+    res = [verify.CaseResult("a", "flash", "golden", True, small, small, tok),
+           verify.CaseResult("b", "flash", "golden", True, large, small, tok),
+           verify.CaseResult("b", "compact", "golden", False, error="1 KV row(s) differ")]
+    rows = {r[0]: r for r in _worst_rows(res)}
+    assert rows["flash"][1] == f"{large.max_abs:.3e}" or "5.0" in rows["flash"][1]
+    assert "2 checks, 2 ties" in rows["flash"][4] and "pass" in rows["flash"][5]
+    assert "FAIL 1" in rows["compact"][5]
