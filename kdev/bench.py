@@ -381,6 +381,24 @@ class Timing:
     sm_clock_mhz: list = field(default_factory=list)  # [min, max] seen during samples
 
 
+# A launch through ctypes costs the host tens of microseconds. Were the GPU idle when `start` is recorded, a
+# microsecond kernel's sample would time the host's launch path instead of the kernel: a spin kernel of
+# ~100 µs queued before `start` keeps the GPU busy until the launch is queued behind it.
+HOST_COVER_CYCLES = 200_000
+
+
+def _sleep_fn():
+    try:
+        import torch
+
+        return getattr(torch.cuda, "_sleep", None)
+    except ImportError:
+        return None
+
+
+_gpu_sleep = _sleep_fn()
+
+
 def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=None) -> Timing:
     """Cold-L2 samples timed with CUDA events around one call each. before_sample (outputs poisoned, say)
     runs before the flush, outside the timed region."""
@@ -399,6 +417,8 @@ def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=No
         if before_sample is not None:
             before_sample()
         flush.add_(1)  # touches 2x L2 worth of bytes: nothing of the inputs survives in L2
+        if _gpu_sleep is not None:  # the GPU is still busy when the host records start and launches
+            _gpu_sleep(HOST_COVER_CYCLES)
         start.record()
         run()
         end.record()

@@ -69,6 +69,6 @@ namespace kdtree {
 cudaError_t launch_build_ddtree(const DDTreeBuildParams& p, cudaStream_t stream);
 cudaError_t launch_accept_greedy(const AcceptParams& p, cudaStream_t stream);
 cudaError_t launch_compact_kv(const CompactParams& p, cudaStream_t stream);
-size_t build_ddtree_smem_bytes(int budget);
+size_t build_ddtree_smem_bytes(int budget, int depth, int topk);
 }  // namespace kdtree
 #endif
