@@ -2,7 +2,8 @@
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200), the GPU tests,
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
-#   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--skip-tests] [--sanitize]
+#   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
+#                               [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]...
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text.
@@ -13,13 +14,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= DEPLOY=0 ONLY_DEPLOY=0
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
     --sweep) SWEEP="$2"; shift 2 ;;
     --baseline) BASELINE="$2"; shift 2 ;;
+    --backend) BACKENDS="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --sanitize) SANITIZE=1; shift ;;
     --deploy-check) DEPLOY=1; shift ;;
@@ -45,7 +47,6 @@ if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
 step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
-step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
@@ -55,8 +56,10 @@ fi
 step ceilings python3 -m kdev bench --ceilings
 for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
-    ${BASELINE:+--baseline "$BASELINE"}
+    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"}
 done
+# last: the longest step (a killed round keeps everything above)
+step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
 fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
