@@ -1,13 +1,12 @@
 // DDTree kernels: tree build, greedy accept, KV compaction. Each is capturable in a CUDA graph (no
 // allocation, no host synchronisation), so a decoding round never waits on the host.
 //
-// build: one CTA per request. All threads stage the reachable log-probs in shared memory; thread 0 then
-//   runs the best-first heap exactly as kdev/ddtree.py does: entries (score, parent, depth, rank), popped
-//   best first; score = parent score + log_prob in double, in path order; ties broken on the rank path
-//   (lexicographically smaller first; a prefix sorts before its extensions; rebuilt from the parent chain
-//   only when scores tie), then on the parent index. The heap lives in shared memory (at most 1 + budget
-//   entries of 16 bytes). Afterwards all threads fill the outputs; each node's mask row holds its own and
-//   its ancestors' bits (at most 16).
+// build: one CTA per request. All threads stage the reachable log-probs in shared memory; one warp then
+//   makes exactly the pops of kdev/ddtree.py's best-first heap: score = parent score + log_prob in double,
+//   in path order; ties broken on the rank path (lexicographically smaller first; a prefix sorts before
+//   its extensions), then on the parent index. The frontier is one candidate per emitted node (its next
+//   child) under a two-level tournament of warp reductions (see below). Afterwards all threads fill the
+//   outputs; each node's mask row holds its own and its ancestors' bits (at most 16).
 // accept: one warp per request. From the root, the first child (in node order) whose token equals the
 //   target's argmax at the current node is accepted (a ballot over the node rows); the first miss ends
 //   the walk and that argmax is the bonus token.
@@ -25,84 +24,38 @@
 namespace kdtree {
 namespace {
 
-// A heap entry is 16 bytes: the rank path is not stored but rebuilt from the emitted parent chain when two
-// scores tie (rare), so sift steps move 16 bytes instead of a 48-byte path-carrying entry.
-struct HeapEntry {
-  double score;
-  int16_t parent;  // emitted node index of the parent
-  int16_t depth;   // 1..D
-  int16_t rank;    // rank at this depth (index into the parent's top-k)
-  int16_t pad;
-};
+// The frontier of the best-first search holds, for every emitted node with children left, its next child
+// (children come in rank order because each depth's log-probs are sorted). So the heap is replaced by one
+// candidate per emitted node, kept as an order-preserving 64-bit key of its score, and a tournament: the
+// best candidate of each group of 32 nodes, and the best of those groups. One warp runs it: each step is
+// a few warp reductions instead of a single thread's heap walk through shared memory.
+constexpr int kGroup = 32;
+constexpr int kMaxGroups = (KDTREE_MAX_QLEN + kGroup - 1) / kGroup;
+static_assert(kMaxGroups <= 2 * kGroup, "the group step reads at most two groups per lane");
 
-struct Tree {
-  const int16_t* parent;  // per emitted node
-  const int16_t* rank;    // per emitted node (unused for the root)
-};
-
-// rank path of an entry: its parent's path, then its own rank
-__device__ void rank_path(const HeapEntry& e, const Tree& t, int (&path)[KDTREE_MAX_DEPTH]) {
-  path[e.depth - 1] = e.rank;
-  int n = e.parent;
-  for (int k = e.depth - 2; k >= 0; --k) {
-    path[k] = t.rank[n];
-    n = t.parent[n];
-  }
+// Higher score -> larger key; 0 means no candidate. -0.0 is folded into +0.0 first: they compare equal as
+// doubles (and in kdev/ddtree.py), so they must get the same key and fall through to the path order.
+__device__ __forceinline__ unsigned long long score_key(double s) {
+  if (s == 0.0) s = 0.0;
+  const unsigned long long b = (unsigned long long)__double_as_longlong(s);
+  return (b >> 63) ? ~b : b | (1ull << 63);
 }
-
-// a before b in pop order: higher score; on a tie the lexicographically smaller rank path (a prefix before
-// its extensions), then the smaller parent index -- exactly kdev/ddtree.py's heap order
-__device__ bool entry_less(const HeapEntry& a, const HeapEntry& b, const Tree& t) {
-  if (a.score != b.score) return a.score > b.score;
-  int pa[KDTREE_MAX_DEPTH], pb[KDTREE_MAX_DEPTH];
-  rank_path(a, t, pa);
-  rank_path(b, t, pb);
-  const int n = a.depth < b.depth ? a.depth : b.depth;
-  for (int i = 0; i < n; ++i)
-    if (pa[i] != pb[i]) return pa[i] < pb[i];
-  if (a.depth != b.depth) return a.depth < b.depth;
-  return a.parent < b.parent;
-}
-
-__device__ void heap_push(HeapEntry* h, int& n, const HeapEntry& e, const Tree& t) {
-  int i = n++;
-  while (i > 0) {
-    const int up = (i - 1) / 2;
-    if (!entry_less(e, h[up], t)) break;
-    h[i] = h[up];
-    i = up;
-  }
-  h[i] = e;
-}
-
-__device__ HeapEntry heap_pop(HeapEntry* h, int& n, const Tree& t) {
-  const HeapEntry top = h[0];
-  const HeapEntry last = h[--n];
-  int i = 0;
-  while (true) {
-    const int l = 2 * i + 1, r = l + 1;
-    if (l >= n) break;
-    const int c = (r < n && entry_less(h[r], h[l], t)) ? r : l;
-    if (!entry_less(h[c], last, t)) break;
-    h[i] = h[c];
-    i = c;
-  }
-  if (n > 0) h[i] = last;
-  return top;
-}
-
-// Ranks that a build can reach: a node of rank r has r elder siblings in the tree, so r < budget and a
-// sibling push reads rank <= budget. Only these log-probs are staged in shared memory.
-__host__ __device__ inline int staged_ranks(int topk, int budget) { return topk < budget + 1 ? topk : budget + 1; }
 
 struct BuildSmem {  // carve-up of the dynamic shared memory (sizes in build_ddtree_smem_bytes)
-  HeapEntry* heap;  // 1 + budget
-  double* score;    // 1 + budget, per emitted node
-  float* lp;        // depth x staged_ranks
-  int16_t* parent;  // 1 + budget
-  int16_t* depth;   // 1 + budget
-  int16_t* rank;    // 1 + budget
+  double* score;               // 1 + budget, per emitted node
+  unsigned long long* cand;    // 1 + budget: key of the node's next child, 0 when it has none left
+  unsigned long long* gkey;    // kMaxGroups: best key of each group of 32 nodes
+  float* lp;                   // depth x staged_ranks
+  int16_t* parent;             // 1 + budget
+  int16_t* depth;              // 1 + budget
+  int16_t* rank;               // 1 + budget
+  int16_t* next;               // 1 + budget: rank of the node's next child
+  int16_t* gnode;              // kMaxGroups: node holding that best key
 };
+
+// Ranks that a build can reach: a node of rank r has r elder siblings in the tree, so r < budget and a
+// sibling candidate reads rank <= budget. Only these log-probs are staged in shared memory.
+__host__ __device__ inline int staged_ranks(int topk, int budget) { return topk < budget + 1 ? topk : budget + 1; }
 
 __host__ __device__ inline size_t build_smem_layout(int budget, int depth, int topk, unsigned char* base,
                                                     BuildSmem* out) {
@@ -114,14 +67,69 @@ __host__ __device__ inline size_t build_smem_layout(int budget, int depth, int t
     return ptr;
   };
   BuildSmem s;
-  s.heap = reinterpret_cast<HeapEntry*>(take(t * sizeof(HeapEntry)));
   s.score = reinterpret_cast<double*>(take(t * sizeof(double)));
+  s.cand = reinterpret_cast<unsigned long long*>(take(t * 8));
+  s.gkey = reinterpret_cast<unsigned long long*>(take(kMaxGroups * 8));
   s.lp = reinterpret_cast<float*>(take((size_t)depth * staged_ranks(topk, budget) * sizeof(float)));
-  s.parent = reinterpret_cast<int16_t*>(take(t * sizeof(int16_t)));
-  s.depth = reinterpret_cast<int16_t*>(take(t * sizeof(int16_t)));
-  s.rank = reinterpret_cast<int16_t*>(take(t * sizeof(int16_t)));
+  s.parent = reinterpret_cast<int16_t*>(take(t * 2));
+  s.depth = reinterpret_cast<int16_t*>(take(t * 2));
+  s.rank = reinterpret_cast<int16_t*>(take(t * 2));
+  s.next = reinterpret_cast<int16_t*>(take(t * 2));
+  s.gnode = reinterpret_cast<int16_t*>(take(kMaxGroups * 2));
   if (out) *out = s;
   return off;
+}
+
+// Candidate of node a before that of node b when their scores are equal: the rank path (a's path, then
+// its next rank) lexicographically smaller, a prefix first, then the smaller parent -- the order of
+// kdev/ddtree.py's heap tuples.
+__device__ bool tie_before(const BuildSmem& sm, int a, int b) {
+  int pa[KDTREE_MAX_DEPTH + 1], pb[KDTREE_MAX_DEPTH + 1];
+  const int da = sm.depth[a] + 1, db = sm.depth[b] + 1;  // candidate depths
+  pa[da - 1] = sm.next[a];
+  pb[db - 1] = sm.next[b];
+  for (int k = da - 2, n = a; k >= 0; --k, n = sm.parent[n]) pa[k] = sm.rank[n];
+  for (int k = db - 2, n = b; k >= 0; --k, n = sm.parent[n]) pb[k] = sm.rank[n];
+  const int m = da < db ? da : db;
+  for (int i = 0; i < m; ++i)
+    if (pa[i] != pb[i]) return pa[i] < pb[i];
+  if (da != db) return da < db;
+  return a < b;
+}
+
+// The best (key, node) over the warp; every lane gets it. Equal best keys (exact score ties) are settled
+// by the path order, serially: they are rare.
+__device__ __forceinline__ int warp_best(const BuildSmem& sm, unsigned long long key, int node,
+                                         unsigned long long* best_key) {
+  const unsigned hi = __reduce_max_sync(0xffffffffu, (unsigned)(key >> 32));
+  const unsigned lo = __reduce_max_sync(0xffffffffu, (unsigned)(key >> 32) == hi ? (unsigned)key : 0u);
+  const unsigned long long mk = ((unsigned long long)hi << 32) | lo;
+  *best_key = mk;
+  if (mk == 0ull) return -1;
+  unsigned tied = __ballot_sync(0xffffffffu, key == mk);
+  int best = __shfl_sync(0xffffffffu, node, __ffs(tied) - 1);
+  if (__popc(tied) > 1) {
+    tied &= tied - 1;
+    while (tied) {
+      const int other = __shfl_sync(0xffffffffu, node, __ffs(tied) - 1);
+      if (tie_before(sm, other, best)) best = other;  // the same decision in every lane
+      tied &= tied - 1;
+    }
+  }
+  return best;
+}
+
+// Recompute group g's best candidate over its emitted nodes (< count).
+__device__ __forceinline__ void refresh_group(const BuildSmem& sm, int g, int count, int lane) {
+  const int n = g * kGroup + lane;
+  const unsigned long long k = n < count ? sm.cand[n] : 0ull;
+  unsigned long long bk;
+  const int best = warp_best(sm, k, n, &bk);
+  if (lane == 0) {
+    sm.gkey[g] = bk;
+    sm.gnode[g] = (int16_t)best;
+  }
+  __syncwarp();
 }
 
 __global__ void build_ddtree_kernel(DDTreeBuildParams p) {
@@ -134,36 +142,59 @@ __global__ void build_ddtree_kernel(DDTreeBuildParams p) {
   const int kk = staged_ranks(p.topk, p.budget);
   const float* lp = p.log_probs + (size_t)b * p.depth * p.topk;
   const int32_t* ids = p.token_ids + (size_t)b * p.depth * p.topk;
-  // the heap loop runs on one thread: every log-prob it reads comes from shared memory, staged by all
   for (int i = threadIdx.x; i < p.depth * kk; i += blockDim.x) sm.lp[i] = lp[(size_t)(i / kk) * p.topk + i % kk];
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const Tree tree{sm.parent, sm.rank};
-    int n_heap = 0, count = 1;
-    sm.score[0] = 0.0;
-    sm.parent[0] = -1;
-    sm.depth[0] = 0;
-    sm.rank[0] = 0;
-    heap_push(sm.heap, n_heap, HeapEntry{(double)sm.lp[0], 0, 1, 0, 0}, tree);
-    while (n_heap > 0 && count - 1 < p.budget) {
-      const HeapEntry e = heap_pop(sm.heap, n_heap, tree);
-      const int idx = count++;
-      const int d = e.depth, r = e.rank;
-      sm.score[idx] = e.score;
-      sm.parent[idx] = e.parent;
-      sm.depth[idx] = (int16_t)d;
-      sm.rank[idx] = (int16_t)r;
-      if (r + 1 < p.topk)  // next sibling: same parent, next rank
-        heap_push(sm.heap, n_heap,
-                  HeapEntry{sm.score[e.parent] + (double)sm.lp[(d - 1) * kk + r + 1], e.parent, (int16_t)d,
-                            (int16_t)(r + 1), 0},
-                  tree);
-      if (d < p.depth)  // first child
-        heap_push(sm.heap, n_heap, HeapEntry{e.score + (double)sm.lp[d * kk], (int16_t)idx, (int16_t)(d + 1), 0, 0},
-                  tree);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      sm.score[0] = 0.0;
+      sm.parent[0] = -1;
+      sm.depth[0] = 0;
+      sm.rank[0] = 0;
+      sm.next[0] = 0;
+      sm.cand[0] = score_key(0.0 + (double)sm.lp[0]);  // the root's first child
     }
-    s_count = count;
-    p.node_count[b] = count;
+    __syncwarp();
+    int count = 1;
+    refresh_group(sm, 0, count, lane);
+    while (count - 1 < p.budget) {
+      // the best group: each lane looks at groups lane and lane + 32
+      const int groups = (count + kGroup - 1) / kGroup;
+      unsigned long long k = lane < groups ? sm.gkey[lane] : 0ull;
+      int node = lane < groups ? sm.gnode[lane] : -1;
+      if (lane + kGroup < groups) {
+        const unsigned long long k2 = sm.gkey[lane + kGroup];
+        const int n2 = sm.gnode[lane + kGroup];
+        if (k2 > k || (k2 == k && k2 != 0ull && tie_before(sm, n2, node))) {
+          k = k2;
+          node = n2;
+        }
+      }
+      unsigned long long bk;
+      const int P = warp_best(sm, k, node, &bk);
+      if (P < 0) break;  // no candidates left: the drafter's paths are exhausted before the budget
+      // emit P's next child as node idx; P's candidate moves to its next sibling, idx gets its first child
+      const int idx = count++;
+      if (lane == 0) {
+        const int d = sm.depth[P] + 1, r = sm.next[P];
+        const double s = sm.score[P] + (double)sm.lp[(d - 1) * kk + r];
+        sm.score[idx] = s;
+        sm.parent[idx] = (int16_t)P;
+        sm.depth[idx] = (int16_t)d;
+        sm.rank[idx] = (int16_t)r;
+        sm.next[idx] = 0;
+        sm.cand[idx] = d < p.depth ? score_key(s + (double)sm.lp[d * kk]) : 0ull;
+        sm.next[P] = (int16_t)(r + 1);
+        sm.cand[P] = r + 1 < p.topk ? score_key(sm.score[P] + (double)sm.lp[(d - 1) * kk + r + 1]) : 0ull;
+      }
+      __syncwarp();
+      refresh_group(sm, P / kGroup, count, lane);
+      if (idx / kGroup != P / kGroup) refresh_group(sm, idx / kGroup, count, lane);
+    }
+    if (lane == 0) {
+      s_count = count;
+      p.node_count[b] = count;
+    }
   }
   __syncthreads();
   const int count = s_count;
