@@ -6,7 +6,8 @@
 #                               [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]...
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
-# shape (full section set, clocks left alone); the report goes under $OUT as text.
+# shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
+# and the SASS with per-instruction counters (CSV).
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -63,9 +64,15 @@ step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtr
 fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
+  rep="$(mktemp -d)/$name"
   step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:verify_attn_flash_kernel \
-    --launch-skip 2 --launch-count 1 --log-file "$OUT/$name.txt" \
+    --launch-skip 2 --launch-count 1 -o "$rep" --log-file "$OUT/$name.log" \
     python3 -m kdev bench --shape "$shape" --backend flash
+  # the report as text: the sections, every raw metric (stall reasons per issued instruction among them),
+  # and the SASS with per-instruction counters and stall samples
+  ncu --import "$rep.ncu-rep" --print-details all > "$OUT/$name.txt" 2>&1
+  ncu --import "$rep.ncu-rep" --page raw --csv > "$OUT/$name-raw.csv" 2>&1
+  ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
 if [ "$DEPLOY" = 1 ]; then
   # deploy-check reads git history; a tree copied without it is checked as a snapshot repository in a
