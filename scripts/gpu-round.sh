@@ -4,10 +4,10 @@
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--skip-tests] [--sanitize]
-#                               [--deploy-check | --deploy-only] [--profile SHAPE]...
+#                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-only]
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
-# and the SASS with per-instruction counters (CSV).
+# and the SASS with per-instruction counters (CSV). --profile-only: build and the profiles, nothing else.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -16,7 +16,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=()
+PROFILES=() ONLY_PROFILE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -28,6 +28,7 @@ while [ $# -gt 0 ]; do
     --deploy-check) DEPLOY=1; shift ;;
     --deploy-only) DEPLOY=1; ONLY_DEPLOY=1; SKIP_TESTS=1; shift ;;
     --profile) PROFILES+=("$2"); shift 2 ;;
+    --profile-only) ONLY_PROFILE=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +44,7 @@ step() {  # step NAME CMD...: run, log, remember the exit code
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
-if [ "$ONLY_DEPLOY" = 0 ]; then
+if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
