@@ -39,3 +39,18 @@ def test_bad_input_is_one_line_exit_2(write_yaml):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
     r = runner.invoke(app, ["gen-refs", "--suite", "nope"])
     assert r.exit_code == 2 and "no suite named 'nope'" in r.stderr
+
+
+def test_progress_without_a_terminal_prints_a_line_per_tenth(monkeypatch, capsys):
+    from rich.console import Console
+
+    from kdev import report
+
+    monkeypatch.setattr(report, "stderr", Console(stderr=True, force_terminal=False, highlight=False))
+    with report.progress("fuzz", 20) as advance:
+        for i in range(20):
+            advance(f"case-{i}")
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fuzz:")]
+    assert len(lines) == 10
+    assert lines[0].startswith("fuzz: 2/20 after") and lines[-1].startswith("fuzz: 20/20 after")
+    assert "(case-19)" in lines[-1]
