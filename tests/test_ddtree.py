@@ -101,3 +101,49 @@ def test_compact_kv_reads_before_writing():
     for i, a in enumerate(acc):
         naive[page_table[(L + i) // page_size], (L + i) % page_size] = row(naive, L + a)
     assert not np.array_equal(row(naive, L + 2), row(kv, L + 1))
+
+
+def _build_by_next_child(dist: ddtree.DrafterDist, budget: int, root: int) -> ddtree.Tree:
+    """The formulation kernels/ddtree.cu runs: the frontier is one candidate per emitted node (its next
+    child by rank, since each depth's log-probs are sorted); the best candidate is the highest score, ties
+    by the candidate's rank path (a prefix first), then by the parent index."""
+    lp = dist.log_probs.astype(np.float64)
+    D, K = lp.shape
+    score, parent, depth, rank, nxt, tokens = [0.0], [-1], [0], [0], [0], [root]
+    cand = [lp[0, 0]]
+
+    def path(n):
+        p = [nxt[n]]
+        while n > 0:
+            p.insert(0, rank[n])
+            n = parent[n]
+        return p
+
+    def order(n):
+        return (-cand[n], path(n), n)
+
+    while len(score) - 1 < budget:
+        open_nodes = [n for n in range(len(score)) if cand[n] is not None]
+        if not open_nodes:
+            break
+        P = min(open_nodes, key=order)
+        d, r = depth[P] + 1, nxt[P]
+        s = score[P] + lp[d - 1, r]
+        score.append(s), parent.append(P), depth.append(d), rank.append(r), nxt.append(0)
+        tokens.append(int(dist.token_ids[d - 1, r]))
+        cand.append(s + lp[d, 0] if d < D else None)
+        nxt[P] = r + 1
+        cand[P] = score[P] + lp[d - 1, r + 1] if r + 1 < K else None
+    return ddtree.Tree(np.array(tokens), np.array(parent), np.array(depth))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_next_child_frontier_makes_the_heaps_pops(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        D, K, budget = int(rng.integers(1, 7)), int(rng.integers(1, 10)), int(rng.integers(1, 50))
+        dist = ddtree.synthetic_drafter(rng, D, K, 40, float(rng.uniform(0.3, 3.0)), bool(rng.random() < 0.5))
+        want = ddtree.build_ddtree(dist, budget, 5)
+        got = _build_by_next_child(dist, budget, 5)
+        assert got.parents.tolist() == want.parents.tolist()
+        assert got.tokens.tolist() == want.tokens.tolist() and got.depths.tolist() == want.depths.tolist()
