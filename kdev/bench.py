@@ -387,18 +387,6 @@ class Timing:
 HOST_COVER_CYCLES = 200_000
 
 
-def _sleep_fn():
-    try:
-        import torch
-
-        return getattr(torch.cuda, "_sleep", None)
-    except ImportError:
-        return None
-
-
-_gpu_sleep = _sleep_fn()
-
-
 def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=None) -> Timing:
     """Cold-L2 samples timed with CUDA events around one call each. before_sample (outputs poisoned, say)
     runs before the flush, outside the timed region."""
@@ -413,12 +401,13 @@ def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=No
     samples, dropped, clocks = [], 0, []
     stop = "max-samples"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu_sleep = getattr(torch.cuda, "_sleep", None)
     while len(samples) < method.max_samples:
         if before_sample is not None:
             before_sample()
         flush.add_(1)  # touches 2x L2 worth of bytes: nothing of the inputs survives in L2
-        if _gpu_sleep is not None:  # the GPU is still busy when the host records start and launches
-            _gpu_sleep(HOST_COVER_CYCLES)
+        if gpu_sleep is not None:  # the GPU is still busy when the host records start and launches
+            gpu_sleep(HOST_COVER_CYCLES)
         start.record()
         run()
         end.record()

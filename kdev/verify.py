@@ -167,15 +167,14 @@ def _padded(flat: torch.Tensor, indptr: list[int], t_max: int, fill: int) -> tor
     return out
 
 
-def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict, device,
-                      on_device: dict | None = None) -> CaseResult | None:
+def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict, t: dict,
+                      device) -> CaseResult | None:
     """ddtree / accept / compact against the reference's golden outputs: exact equality. None when the
-    case has nothing for this kernel (ddtree needs drafter distributions). on_device: the case's tensors
-    already on `device` (shared by the three kernels so that a large cache crosses PCIe once)."""
+    case has nothing for this kernel (ddtree needs drafter distributions). t: the case's tensors already
+    on `device` (shared by the three kernels so that a large cache crosses PCIe once)."""
     ind = tensors["q_indptr"].tolist()
     sizes = [b - a for a, b in zip(ind[:-1], ind[1:])]
     B, t_max = len(sizes), max(sizes)
-    t = on_device if on_device is not None else {k: v.to(device) for k, v in tensors.items()}
     bad = []
     if kernel == "ddtree":
         if "drafter_log_probs" not in tensors or len(set(sizes)) != 1:
@@ -239,7 +238,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
         on_device = {k: v.to(device) for k, v in tensors.items()}
         for k in tree_kernels:
             try:
-                r = check_tree_kernel(tk, k, name, tensors, device, on_device)
+                r = check_tree_kernel(tk, k, name, tensors, on_device, device)
             except abi.KernelError as e:
                 r = CaseResult(name, k, "golden", False, error=str(e))
             if r is not None:
