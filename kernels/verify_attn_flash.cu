@@ -7,16 +7,18 @@
 // How:
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
-// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (99,072 B of dynamic shared memory: fits
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (91,136 B of dynamic shared memory: fits
 //   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
 //   half c = w/4).
 // * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over dims [288c, 288c+288) with Q held
 //   in registers (72 per thread, loaded once) and K read by ldmatrix; the two half-sums meet in shared
 //   memory. Splitting by dims rather than tokens keeps Q at 72 registers instead of 144.
-// * Softmax: all 256 threads, 4 per row (8 tokens each), fp32, exp2 with log2(e) folded into the scale.
-//   Tiles entirely inside the prefix skip the mask; the others read the node's bitmask row. P is rounded
-//   to bf16 into shared memory for P.V; the row sum adds the unrounded fp32 values, so lse stays fp32-exact
-//   (summing the rounded values biased lse by up to ~1e-3 on peaked rows: measured, see NOTES.md).
+// * Softmax in fp32 registers on the mma accumulator layout (a row's 32 scores sit in one quad), exp2
+//   with log2(e) folded into the scale, against a lazy reference max that moves only when a row's max
+//   rises by more than 2^8 (so the O rescale runs on few tiles). Tiles entirely inside the prefix skip
+//   the mask; the others read the node's bitmask row. P feeds P.V directly as bf16 A fragments; the row
+//   sum adds the unrounded fp32 values, so lse stays fp32-exact (summing the rounded values biased lse by
+//   up to ~1e-3 on peaked rows: measured, see NOTES.md).
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and value columns [256c, 256c+256): 128 fp32
 //   accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512 dims).
 // * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
@@ -50,6 +52,7 @@ constexpr int kChunksPerRow = KDTREE_QK_DIM / 8;  // 72 x 16-byte chunks per KV 
 constexpr unsigned kBufBytes = kBlockN * kKvStride * 2;  // one KV buffer
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
 struct __align__(16) SharedStorage {
   __nv_bfloat16 kv[2][kBlockN][kKvStride];  // 74,752 B: double-buffered KV tile
@@ -240,12 +243,31 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
       mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
     }
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    // Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so
+    // P = exp2(s - m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies
+    // per thread, runs on the few tiles that raise a max (on random scores about once per CTA; rescaling on
+    // every rise of the max was ~half the tiles and measured slower with the vote). The vote keeps the
+    // branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
+    const bool rises = mx_lo > m_lo + kRescaleSlack || mx_hi > m_hi + kRescaleSlack;
+    if (__any_sync(0xffffffffu, rises)) {
+      const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+      // a row with nothing attended yet (m = -inf) has l = 0 and O = 0: any finite alpha will do
+      const float alpha_lo = mn_lo == -INFINITY ? 1.f : exp2f(m_lo - mn_lo);
+      const float alpha_hi = mn_hi == -INFINITY ? 1.f : exp2f(m_hi - mn_hi);
+      m_lo = mn_lo;
+      m_hi = mn_hi;
+      l_lo *= alpha_lo;
+      l_hi *= alpha_hi;
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt) {
+        o[nt][0] *= alpha_lo;
+        o[nt][1] *= alpha_lo;
+        o[nt][2] *= alpha_hi;
+        o[nt][3] *= alpha_hi;
+      }
+    }
     // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
-    const float base_lo = mn_lo == -INFINITY ? 0.f : mn_lo, base_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
-    const float alpha_lo = exp2f(m_lo - base_lo), alpha_hi = exp2f(m_hi - base_hi);
-    m_lo = mn_lo;
-    m_hi = mn_hi;
+    const float base_lo = m_lo == -INFINITY ? 0.f : m_lo, base_hi = m_hi == -INFINITY ? 0.f : m_hi;
     float sum_lo = 0.f, sum_hi = 0.f;
     uint32_t pf[2][4];  // P as the A operand of P.V: two k-steps of 16 tokens
 #pragma unroll
@@ -264,17 +286,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
       sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
       sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
     }
-    l_lo = l_lo * alpha_lo + sum_lo;
-    l_hi = l_hi * alpha_hi + sum_hi;
+    l_lo += sum_lo;
+    l_hi += sum_hi;
 
-    // ---- O[16 rows, 256 columns half c] = alpha * O + P[16, 32] . V[32, 256]
-#pragma unroll
-    for (int nt = 0; nt < kVTiles; ++nt) {
-      o[nt][0] *= alpha_lo;
-      o[nt][1] *= alpha_lo;
-      o[nt][2] *= alpha_hi;
-      o[nt][3] *= alpha_hi;
-    }
+    // ---- O[16 rows, 256 columns half c] += P[16, 32] . V[32, 256]
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const unsigned vrow = kv_smem + buf * kBufBytes + v_lane_off + kk * 16 * kKvStride * 2;
