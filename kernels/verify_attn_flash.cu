@@ -209,8 +209,10 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
       sacc[nt][3] = (u.w + v.w) * scale_log2;
     }
 
-    // ---- mask: tiles that reach the tree or the range end; rows past R attend to nothing
-    if (start + kBlockN > L || start + kBlockN > kv_end || r_hi >= R) {
+    // ---- mask: only tiles that reach the tree or the range end. Rows past R (the padding of the last row
+    // tile) are not masked: their Q is zero, their scores finite, and their output is never written.
+    // Masking them sent that tile's CTA down this path on every tile, the slowest CTA of the launch.
+    if (start + kBlockN > L || start + kBlockN > kv_end) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = half ? r_hi : r_lo;
@@ -220,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int pos = start + nt * 8 + tig * 2 + e;
-            bool keep = r < R && pos < kv_end;
+            bool keep = pos < kv_end;
             if (keep && pos >= L) {
               const int node = pos - L;
               keep = (mask_row[node / 64] >> (node % 64)) & 1ull;
