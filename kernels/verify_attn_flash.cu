@@ -175,13 +175,12 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
     if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
 
-    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, 16 tokens per pass; each pass's half-sums
-    // go to shared memory at once (fewer live registers), then the pair meets at a 64-thread named barrier
-    // and each warp adds its own and its partner's half-sums in the same order.
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T in one pass (four independent accumulator
+    // chains: measured the same speed as two passes of two, see NOTES.md). The partner warp (same rows,
+    // other dim half) needs it: store it, meet at a 64-thread named barrier, add the partner's. Two-operand
+    // float addition is commutative, so own + partner gives both warps the same bits.
+    float sacc[4][4] = {};
     {
-      // all 32 tokens in one pass: four independent accumulator chains per warp (measured the same speed
-      // as two passes of two chains: see NOTES.md; the kernel is bound by instructions per mma)
-      float sacc[4][4] = {};
       const unsigned krow = kv_smem + buf * kBufBytes + k_lane_off;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
@@ -193,20 +192,18 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
         mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
         mma_bf16(sacc[3], qf[ks], bg[2], bg[3]);
       }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-        sm.s_part[warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
     }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+      sm.s_part[warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
     asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory");
-    float sacc[4][4];
-    const int w0 = g, w1 = 4 + g;  // the c = 0 and c = 1 warps of this row group: one summation order for both
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const float4 u = sm.s_part[w0][nt][lane], v = sm.s_part[w1][nt][lane];
-      sacc[nt][0] = (u.x + v.x) * scale_log2;
-      sacc[nt][1] = (u.y + v.y) * scale_log2;
-      sacc[nt][2] = (u.z + v.z) * scale_log2;
-      sacc[nt][3] = (u.w + v.w) * scale_log2;
+      const float4 v = sm.s_part[warp ^ 4][nt][lane];
+      sacc[nt][0] = (sacc[nt][0] + v.x) * scale_log2;
+      sacc[nt][1] = (sacc[nt][1] + v.y) * scale_log2;
+      sacc[nt][2] = (sacc[nt][2] + v.z) * scale_log2;
+      sacc[nt][3] = (sacc[nt][3] + v.w) * scale_log2;
     }
 
     // ---- mask: only tiles that reach the tree or the range end. Rows past R (the padding of the last row
@@ -343,8 +340,11 @@ __global__ void __launch_bounds__(kCombineThreads) verify_attn_combine_kernel(Ve
   const float* ws_o = static_cast<const float*>(p.workspace);
   const float* ws_lse = ws_o + (size_t)num_splits * rows_total * KDTREE_V_DIM;
   float m = -INFINITY;
+  // unrolled: the loads of several splits are in flight at once instead of one L2 round trip each
+#pragma unroll 8
   for (int s = 0; s < num_splits; ++s) m = fmaxf(m, ws_lse[s * rows_total + row]);
   float total = 0.f;
+#pragma unroll 8
   for (int s = 0; s < num_splits; ++s) {
     const float ls = ws_lse[s * rows_total + row];
     total += ls == -INFINITY ? 0.f : expf(ls - m);
@@ -352,6 +352,7 @@ __global__ void __launch_bounds__(kCombineThreads) verify_attn_combine_kernel(Ve
   const float lse = m == -INFINITY ? -INFINITY : m + logf(total);
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   const int col = threadIdx.x * 4;
+#pragma unroll 8
   for (int s = 0; s < num_splits; ++s) {
     const float ls = ws_lse[s * rows_total + row];
     if (ls == -INFINITY) continue;
