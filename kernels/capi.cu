@@ -43,12 +43,19 @@ bool is_device_pointer(const void* ptr) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
+// Every entry point's first check: a params struct, of the size this library was built with.
+template <class Params>
+int check_params_struct(const Params* p) {
+  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
+  if (p->struct_size != sizeof(Params))
+    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu: the binding does not match this library",
+                p->struct_size, sizeof(Params));
+  return KDTREE_OK;
+}
+
 // Shared by every verify kernel: shapes, limits, pointers, alignment.
 int validate(const VerifyAttnParams* p) {
-  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
-  if (p->struct_size != sizeof(VerifyAttnParams))
-    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu: the binding does not match this library",
-                p->struct_size, sizeof(VerifyAttnParams));
+  if (int st = check_params_struct(p)) return st;
   struct {
     const void* ptr;
     const char* name;
@@ -173,9 +180,7 @@ int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
 // ------------------------------------------------------------------------------------------ DDTree kernels
 int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
-  if (p->struct_size != sizeof(DDTreeBuildParams))
-    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(DDTreeBuildParams));
+  if (int st = check_params_struct(p)) return st;
   if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
   if (p->depth < 1 || p->depth > KDTREE_MAX_DEPTH)
     return fail(KDTREE_ERR_INVALID, "depth %d outside 1..%d", p->depth, KDTREE_MAX_DEPTH);
@@ -197,9 +202,7 @@ int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
 
 int kdtree_accept_greedy(const AcceptParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
-  if (p->struct_size != sizeof(AcceptParams))
-    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(AcceptParams));
+  if (int st = check_params_struct(p)) return st;
   if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
   if (p->t_stride < 1 || p->t_stride > KDTREE_MAX_QLEN)
     return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
@@ -214,9 +217,7 @@ int kdtree_accept_greedy(const AcceptParams* p, cudaStream_t stream) {
 
 int kdtree_compact_kv(const CompactParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  if (p == nullptr) return fail(KDTREE_ERR_INVALID, "params is NULL");
-  if (p->struct_size != sizeof(CompactParams))
-    return fail(KDTREE_ERR_INVALID, "params.struct_size %u != %zu", p->struct_size, sizeof(CompactParams));
+  if (int st = check_params_struct(p)) return st;
   if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
   if (p->t_stride < 1 || p->t_stride > KDTREE_MAX_QLEN)
     return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
