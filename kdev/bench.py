@@ -716,22 +716,37 @@ def speedups(results: list[dict], reference: str = "flash") -> dict:
     return out
 
 
-def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float = 0.03, sigmas: float = 3.0):
+def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float = 0.03, sigmas: float = 3.0,
+                      normalize_by: str | None = None):
     """Per (shape, backend) present in both: FAST / SAME / SLOW. A change counts only when it exceeds both
-    min_rel and `sigmas` times the combined relative noise (standard errors of the two medians)."""
+    min_rel and `sigmas` times the combined relative noise (standard errors of the medians).
+
+    normalize_by: a backend timed in both runs (e.g. naive). Each backend is then judged by its time over
+    that backend's time at the same shape in the same run, against the same ratio in the baseline: a clock
+    or thermal shift between the two runs moves both and cancels. The reference gets no verdict."""
     base = {(r["shape"], r["backend"]): r for r in baseline if r.get("timing")}
+    cur = {(r["shape"], r["backend"]): r for r in current if r.get("timing")}
     out = []
     for r in current:
         b = base.get((r["shape"], r["backend"]))
-        if not b or not r.get("timing"):
+        if not b or not r.get("timing") or r["backend"] == normalize_by:
             continue
         new, old = r["timing"]["median_us"], b["timing"]["median_us"]
-        noise = math.sqrt((r["timing"].get("rel_sem") or 0) ** 2 + (b["timing"].get("rel_sem") or 0) ** 2)
-        thr = max(min_rel, sigmas * noise)
-        change = new / old - 1
+        sems = [r["timing"].get("rel_sem") or 0, b["timing"].get("rel_sem") or 0]
+        entry = {"shape": r["shape"], "backend": r["backend"], "baseline_us": old, "current_us": new}
+        if normalize_by:
+            rc, rb = cur.get((r["shape"], normalize_by)), base.get((r["shape"], normalize_by))
+            if not rc or not rb:
+                continue  # no reference timing at this shape in one of the runs: nothing to judge against
+            ref_new, ref_old = rc["timing"]["median_us"], rb["timing"]["median_us"]
+            sems += [rc["timing"].get("rel_sem") or 0, rb["timing"].get("rel_sem") or 0]
+            change = (new / ref_new) / (old / ref_old) - 1
+            entry.update(reference=normalize_by, reference_change=ref_new / ref_old - 1)
+        else:
+            change = new / old - 1
+        thr = max(min_rel, sigmas * math.sqrt(sum(x * x for x in sems)))
         verdict = "SLOW" if change > thr else "FAST" if change < -thr else "SAME"
-        out.append({"shape": r["shape"], "backend": r["backend"], "baseline_us": old, "current_us": new,
-                    "change": change, "threshold": thr, "verdict": verdict})
+        out.append({**entry, "change": change, "threshold": thr, "verdict": verdict})
     return out
 
 

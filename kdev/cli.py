@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from kdev import __version__, report
-from kdev.errors import EXIT_CHECK_FAILED, EnvironmentMissing, KdevError
+from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing, KdevError
 
 app = typer.Typer(
     name="kdev",
@@ -286,6 +286,9 @@ def bench_cmd(
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW."),
+    normalize_by: Optional[str] = typer.Option(
+        None, "--normalize-by", help="Judge each backend's time over this backend's (same shape, same run) "
+        "against the baseline's ratio: cancels clock drift between runs (e.g. naive)."),
     from_file: Optional[Path] = typer.Option(None, "--from", help="Report a stored result instead of measuring."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the results as CSV."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
@@ -302,6 +305,12 @@ def bench_cmd(
 
     if plot_metric not in ("time", "roofline"):
         raise typer.BadParameter("must be time or roofline", param_hint="--plot-metric")
+    # the baseline and its reference backend are checked before anything is measured
+    if normalize_by and not baseline:
+        raise typer.BadParameter("needs --baseline", param_hint="--normalize-by")
+    base_results = bench.load_results(baseline)["results"] if baseline else None
+    if base_results is not None:
+        _require_reference(normalize_by, base_results, str(baseline))
     cfg = bench.load_bench(config)
     if from_file:
         doc = bench.load_results(from_file)
@@ -318,6 +327,9 @@ def bench_cmd(
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
+        if normalize_by and normalize_by not in backends:
+            raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
+                                     param_hint="--normalize-by")
         lib = abi.load_library(library, report.info)
         if ceilings:
             import torch
@@ -344,9 +356,11 @@ def bench_cmd(
         doc = {"provenance": prov, "sweep": sweep or ("shape" if shape else "smoke"),
                "results": [dict(r.__dict__) for r in results]}
     results = doc["results"]
-    verdicts = bench.baseline_verdicts(results, bench.load_results(baseline)["results"]) if baseline else None
-    if verdicts is not None:
-        doc["baseline"] = {"file": str(baseline), "verdicts": verdicts}
+    verdicts = None
+    if baseline:
+        _require_reference(normalize_by, results, "this run")
+        verdicts = bench.baseline_verdicts(results, base_results, normalize_by=normalize_by)
+        doc["baseline"] = {"file": str(baseline), "normalized_by": normalize_by, "verdicts": verdicts}
     _write_json_file(out_json, doc)
     if csv_out:
         bench.write_csv(csv_out, results)
@@ -371,11 +385,15 @@ def bench_cmd(
                 row += ["-", "-", "-", f"{r['floor_us']:.1f}" if r["floor_us"] else "-", "-", "-",
                         "[red]not ranked[/]"]
             if verdicts is not None:
-                row.append({"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME") if v else "-")
+                if v:
+                    mark = {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")
+                    row.append(f"{mark} {100 * v['change']:+.1f}%")
+                else:
+                    row.append("reference" if r["backend"] == normalize_by else "-")
             rows.append(row)
         cols = ["shape", "backend", "median µs", "p10-p90", "n stop", "floor µs", "% floor", "t/t(flash)", "check"]
         if verdicts is not None:
-            cols.append("vs baseline")
+            cols.append(f"vs baseline (/{normalize_by})" if normalize_by else "vs baseline")
         prov = doc["provenance"]
         ceil = prov.get("ceilings")
         ceil_s = (f"{ceil['flops'] / 1e12:.0f} TFLOP/s, {ceil['bytes_per_s'] / 1e9:.0f} GB/s" if ceil else "unknown ceilings")
@@ -389,6 +407,12 @@ def bench_cmd(
         report.error(f"{len(slow)} regression(s) against {baseline}: " + ", ".join(
             f"{v['shape']}/{v['backend']} {100 * v['change']:+.1f}%" for v in slow[:5]))
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _require_reference(normalize_by: Optional[str], results: list[dict], where: str) -> None:
+    """--normalize-by needs that backend timed in both runs."""
+    if normalize_by and not any(r["backend"] == normalize_by and r.get("timing") for r in results):
+        raise BadInput(f"--normalize-by {normalize_by}: no timing of that backend in {where}")
 
 
 # ----------------------------------------------------------------------------------------- deploy-check

@@ -3,7 +3,7 @@
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
-#                               [--skip-tests] [--sanitize]
+#                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-only]
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= DEPLOY=0 ONLY_DEPLOY=0
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() ONLY_PROFILE=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
     --sweep) SWEEP="$2"; shift 2 ;;
     --baseline) BASELINE="$2"; shift 2 ;;
     --backend) BACKENDS="$2"; shift 2 ;;
+    --normalize-by) NORMALIZE="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --sanitize) SANITIZE=1; shift ;;
     --deploy-check) DEPLOY=1; shift ;;
@@ -58,7 +59,7 @@ fi
 step ceilings python3 -m kdev bench --ceilings
 for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
-    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"}
+    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${NORMALIZE:+--normalize-by "$NORMALIZE"}
 done
 # last: the longest step (a killed round keeps everything above)
 step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"

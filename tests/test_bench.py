@@ -91,6 +91,50 @@ def test_baseline_regression_exits_1_and_plot_and_csv(tmp_path):
     assert r.exit_code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_verdicts_normalized_by_a_reference_backend_cancel_clock_drift():
+    s1, s2, s3 = "B1-L1024-N64-H8-p64", "B1-L4096-N64-H8-p64", "B1-L8192-N64-H8-p64"
+    base = [_result(s1, "flash", 100.0), _result(s1, "naive", 1000.0), _result(s2, "flash", 100.0),
+            _result(s2, "naive", 1000.0), _result(s3, "flash", 100.0)]
+    # this run's clocks are 5 % slower: naive +5 %. flash +5 % at s1 is no change; +1 % at s2 is 4 % faster
+    # against naive; s3 has no naive timing in either run, so nothing to judge it by
+    cur = [_result(s1, "flash", 105.0), _result(s1, "naive", 1050.0), _result(s2, "flash", 101.0),
+           _result(s2, "naive", 1050.0), _result(s3, "flash", 100.0)]
+    raw = {x["shape"]: x["verdict"] for x in bench.baseline_verdicts(cur, base) if x["backend"] == "flash"}
+    assert raw[s1] == "SLOW"
+    v = bench.baseline_verdicts(cur, base, normalize_by="naive")
+    assert [(x["shape"], x["backend"], x["verdict"]) for x in v] == [(s1, "flash", "SAME"), (s2, "flash", "FAST")]
+    assert v[0]["change"] == pytest.approx(0.0, abs=1e-12) and v[1]["change"] == pytest.approx(101 / 1050 / 0.1 - 1)
+    assert v[0]["reference"] == "naive" and v[0]["reference_change"] == pytest.approx(0.05)
+    # four medians' noise: 3 sigma of sqrt(4) x 2 % is 12 %, so a 10 % change is the same
+    def noisy(rs, flash_factor=1.0):
+        return [dict(r, timing=dict(r["timing"], rel_sem=0.02, median_us=r["timing"]["median_us"] *
+                                    (flash_factor if r["backend"] == "flash" else 1))) for r in rs]
+    v = bench.baseline_verdicts(noisy(cur, 1.1), noisy(base), normalize_by="naive")
+    assert {x["verdict"] for x in v} == {"SAME"} and v[0]["threshold"] == pytest.approx(0.12)
+
+
+def test_normalize_by_on_the_command_line(tmp_path):
+    s1 = "B1-L1024-N64-H8-p64"
+    old, new, bare = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "bare.json"
+    old.write_text(json.dumps(_doc([_result(s1, "flash", 100.0), _result(s1, "naive", 1000.0)])))
+    new.write_text(json.dumps(_doc([_result(s1, "flash", 108.0), _result(s1, "naive", 1080.0)])))
+    bare.write_text(json.dumps(_doc([_result(s1, "flash", 100.0)])))
+    runner = CliRunner()
+    r = runner.invoke(app, ["bench", "--from", str(new), "--baseline", str(old), "--json"])
+    assert r.exit_code == 1  # +8 % in time alone
+    r = runner.invoke(app, ["bench", "--from", str(new), "--baseline", str(old), "--normalize-by", "naive", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)["baseline"]
+    assert doc["normalized_by"] == "naive" and [v["verdict"] for v in doc["verdicts"]] == ["SAME"]
+    r = runner.invoke(app, ["bench", "--from", str(new), "--baseline", str(old), "--normalize-by", "naive"],
+                      env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "reference" in r.stdout and "SAME +0.0%" in r.stdout
+    r = runner.invoke(app, ["bench", "--from", str(new), "--normalize-by", "naive"])
+    assert r.exit_code == 2 and "needs --baseline" in r.stderr
+    r = runner.invoke(app, ["bench", "--from", str(new), "--baseline", str(bare), "--normalize-by", "naive"])
+    assert r.exit_code == 2 and "no timing of that backend in" in r.stderr and "Traceback" not in r.output
+
+
 def test_bad_stored_result_is_exit_2(tmp_path):
     f = tmp_path / "x.json"
     f.write_text("{}")
