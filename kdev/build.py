@@ -246,10 +246,15 @@ def _compiler_errors(text: str) -> list[str]:
     return out
 
 
-def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR) -> BuildResult:
+def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
+          variant: bool = False) -> BuildResult:
     """Build (or reuse) the library for cfg. Raises CheckFailed on compiler errors and EnvironmentMissing
     without nvcc; resource-gate failures are returned in result.problems (the library is kept for study,
-    but latest.json is not pointed at it)."""
+    but latest.json is not pointed at it).
+
+    variant: kernel_dir is an edited copy of the kernels under study (an A/B candidate). Its library gets a
+    folder of its own, named by its source hash, and latest.json (what verify, bench and deploy-check load
+    by default) is left alone: the candidate is loaded only where asked for, with --library."""
     import time
 
     log = log or (lambda msg: None)
@@ -258,6 +263,8 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     src_hash = source_hash(kernel_dir)
     key = cache_key(cfg, src_hash, ver)
     folder = config_folder(cfg)
+    if variant:
+        folder = folder.with_name(f"{folder.name}-variant-{src_hash[:12]}")
     lib = folder / LIB_NAME
     record = folder / "build.json"
     if not force and lib.is_file() and record.is_file():
@@ -265,7 +272,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         if old.get("key") == key:
             res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
                               resources=old["resources"], embedded=old["embedded"], problems=old["problems"])
-            if not res.problems:
+            if not res.problems and not variant:
                 _write_latest(cfg, res)
             return res
 
@@ -314,7 +321,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     atomic_write_bytes(record, json.dumps({k: v for k, v in res.to_dict().items()
                                            if k not in ("library", "folder", "cached", "seconds")},
                                           indent=2).encode())
-    if not problems:
+    if not problems and not variant:
         _write_latest(cfg, res)
     return res
 

@@ -128,14 +128,20 @@ def build_cmd(
                                                                  "(default: build.yaml)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Build config (default configs/build.yaml)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cache key matches."),
+    kernels: Optional[Path] = typer.Option(
+        None, "--kernels", help="Build an edited copy of kernels/ (an A/B candidate) into a library of its own; "
+        "the default library is left alone. Load it with --library in verify and bench."),
     json_out: bool = JsonOpt,
 ):
     """Build kernels/ into one shared library (C ABI) per configuration, gated on the ptxas report."""
     from kdev import build as kbuild
     from kdev import config as cfg
 
+    if kernels is not None and not (kernels / "include").is_dir():
+        raise BadInput(f"{kernels}: not a copy of kernels/ (no include/ folder)")
     bc = cfg.load_build(config, _split_archs(arch))
-    res = kbuild.build(bc, force=force, log=report.info)
+    res = kbuild.build(bc, force=force, log=report.info, **(
+        {"kernel_dir": kernels.resolve(), "variant": True} if kernels is not None else {}))
     if json_out:
         report.emit_json({**res.to_dict(), "ok": not res.problems})
     else:

@@ -66,6 +66,35 @@ def test_cache_hit_then_rebuild_on_source_change(tmp_path, build_config):
 
 
 @needs_nvcc
+def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, build_config):
+    kdir = tmp_path / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, kdir)
+    cfg = build_config(tmp_path / "build", ["sm_90"])
+    main = kbuild.build(cfg, kernel_dir=kdir)
+    latest = (cfg.output_dir / "latest.json").read_text()
+    cand = tmp_path / "candidate" / "kernels"
+    shutil.copytree(kdir, cand)
+    src = cand / "verify_attn_flash.cu"
+    src.write_text(src.read_text() + "\n// candidate\n")
+    var = kbuild.build(cfg, kernel_dir=cand, variant=True)
+    assert not var.problems and var.library.is_file() and var.library != main.library
+    assert var.folder.name == f"{main.folder.name}-variant-{var.build_info['source_hash'][:12]}"
+    assert (cfg.output_dir / "latest.json").read_text() == latest and main.library.is_file()
+    assert kbuild.build(cfg, kernel_dir=cand, variant=True).cached
+    assert var.build_info["sources"]["kernels/verify_attn_flash.cu"] != main.build_info["sources"][
+        "kernels/verify_attn_flash.cu"]
+
+
+def test_variant_needs_a_kernels_copy(tmp_path):
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    r = CliRunner().invoke(app, ["build", "--kernels", str(tmp_path)])
+    assert r.exit_code == 2 and "not a copy of kernels/" in r.stderr and "Traceback" not in r.output
+
+
+@needs_nvcc
 def test_compiler_error_names_file_and_line(tmp_path, build_config):
     kdir = tmp_path / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, kdir)
