@@ -140,8 +140,8 @@ def build_cmd(
     if kernels is not None and not (kernels / "include").is_dir():
         raise BadInput(f"{kernels}: not a copy of kernels/ (no include/ folder)")
     bc = cfg.load_build(config, _split_archs(arch))
-    res = kbuild.build(bc, force=force, log=report.info, **(
-        {"kernel_dir": kernels.resolve(), "variant": True} if kernels is not None else {}))
+    res = kbuild.build(bc, force=force, log=report.info, variant=kernels is not None,
+                       kernel_dir=kernels.resolve() if kernels is not None else kbuild.KERNEL_DIR)
     if json_out:
         report.emit_json({**res.to_dict(), "ok": not res.problems})
     else:

@@ -67,13 +67,11 @@ def test_cache_hit_then_rebuild_on_source_change(tmp_path, build_config):
 
 @needs_nvcc
 def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, build_config):
-    kdir = tmp_path / "kernels"
-    shutil.copytree(kbuild.KERNEL_DIR, kdir)
     cfg = build_config(tmp_path / "build", ["sm_90"])
-    main = kbuild.build(cfg, kernel_dir=kdir)
+    main = kbuild.build(cfg)
     latest = (cfg.output_dir / "latest.json").read_text()
     cand = tmp_path / "candidate" / "kernels"
-    shutil.copytree(kdir, cand)
+    shutil.copytree(kbuild.KERNEL_DIR, cand)
     src = cand / "verify_attn_flash.cu"
     src.write_text(src.read_text() + "\n// candidate\n")
     var = kbuild.build(cfg, kernel_dir=cand, variant=True)
