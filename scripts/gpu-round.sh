@@ -5,6 +5,10 @@
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-only]
+#                               [--step-timeout SECONDS]
+# Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
+# deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
+# skipped, since they would launch the same kernel.
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
 # and the SASS with per-instruction counters (CSV). --profile-only: build and the profiles, nothing else.
@@ -16,7 +20,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() ONLY_PROFILE=0
+PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG=
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -30,18 +34,27 @@ while [ $# -gt 0 ]; do
     --deploy-only) DEPLOY=1; ONLY_DEPLOY=1; SKIP_TESTS=1; shift ;;
     --profile) PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
+    --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 LOG="$OUT/round.log"
 declare -A RC
-step() {  # step NAME CMD...: run, log, remember the exit code
+step() {  # step NAME CMD...: run under the step time limit, log, remember the exit code
   local name="$1"; shift
+  if [ -n "$HUNG" ]; then
+    echo "--- $name: skipped ($HUNG timed out)" | tee -a "$LOG"; RC[$name]=skipped; return
+  fi
   echo "=== $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG" | tail -n 40
+  timeout --kill-after=10 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$LOG" | tail -n 40
   RC[$name]=${PIPESTATUS[0]}
-  echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+  if [ "${RC[$name]}" = 124 ] || [ "${RC[$name]}" = 137 ]; then
+    HUNG=$name
+    echo "--- $name: timed out after $((SECONDS - t0)) s (limit $STEP_TIMEOUT s): a hung kernel, or raise --step-timeout" | tee -a "$LOG"
+  else
+    echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+  fi
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
@@ -99,5 +112,8 @@ if [ "$DEPLOY" = 1 ]; then
 fi
 echo "=== summary" | tee -a "$LOG"
 fail=0
-for k in "${!RC[@]}"; do echo "$k: exit ${RC[$k]}" | tee -a "$LOG"; [ "${RC[$k]}" = 0 ] || fail=1; done
+for k in "${!RC[@]}"; do
+  case "${RC[$k]}" in skipped) echo "$k: skipped" ;; 124|137) echo "$k: timed out" ;; *) echo "$k: exit ${RC[$k]}" ;; esac | tee -a "$LOG"
+  [ "${RC[$k]}" = 0 ] || fail=1
+done
 exit $fail
