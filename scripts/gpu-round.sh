@@ -38,6 +38,7 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
 LOG="$OUT/round.log"
 declare -A RC
 step() {  # step NAME CMD...: run under the step time limit, log, remember the exit code
