@@ -425,6 +425,52 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
         raise BadInput(f"--normalize-by {normalize_by}: no timing of that backend in {where}")
 
 
+# ------------------------------------------------------------------------------------------------- sass
+@app.command("sass")
+@command
+def sass_cmd(
+    kernel: str = typer.Option("verify_attn_flash_kernel", "--kernel", help="Kernel name (or part of it)."),
+    arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
+    json_out: bool = JsonOpt,
+):
+    """The SASS schedule of a kernel's tensor-core loops: HMMA accumulator chains in flight and how far each
+    HMMA's fragment load runs ahead of it, per arch, read from the built library (no GPU needed)."""
+    from kdev import build as kbuild
+    from kdev import sass
+
+    lib = library or kbuild.latest_library()
+    if lib is None:
+        raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
+    archs = _split_archs(arch)
+    rows = sass.report(sass.parse(sass.dump(lib)), kernel, archs)
+    if json_out:
+        report.emit_json({"library": str(lib), "kernel": kernel, "loops": rows})
+        return
+
+    def pair(lo, med):
+        return "-" if lo is None else f"{lo} / {med:g}"
+
+    def _chain_histogram(chains: dict) -> str:  # distances past 8 are values carried around the loop
+        near = [f"{d}:{n}" for d, n in chains.items() if int(d) <= 8]
+        far = sum(n for d, n in chains.items() if int(d) > 8)
+        return " ".join(near + ([f">8:{far}"] if far else [])) or "-"
+
+    for name in sorted({r["kernel"] for r in rows}):
+        table_rows = [[r["arch"], r["address"], r["instructions"], r["hmma"], r["loads"], r["nop"],
+                       pair(r["chain_min"], r["chain_median"]),
+                       _chain_histogram(r["chains"]),
+                       pair(r["lead_min"], r["lead_median"])] for r in rows if r["kernel"] == name]
+        report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
+                                 ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead"],
+                                 table_rows, {"left": ("arch", "chains")}))
+    if not rows:
+        report.warn(f"{kernel}: no loop with HMMA")
+    report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
+                "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
+                "LDSM / LDS of an HMMA's fragments to the HMMA")
+
+
 # ----------------------------------------------------------------------------------------- deploy-check
 @app.command("deploy-check")
 @command

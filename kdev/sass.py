@@ -1,0 +1,199 @@
+"""SASS schedule report: what ptxas made of a kernel's tensor-core loops, read from a built library (no GPU).
+
+Per loop (a backward branch and the instructions it jumps over) that issues HMMA:
+- counts of instructions, HMMA, shared-memory fragment loads (LDSM, LDS) and NOP;
+- the accumulator chain: for each HMMA, how many HMMAs back the one that produced its accumulator input was
+  issued (across the loop's back edge too). The smallest distances tell how many chains ptxas keeps in
+  flight: at 2, a dependent HMMA every second one, and the warp waits out an HMMA latency per pair;
+- the load lead: how many instructions separate an HMMA from the load that produced its A or B fragment.
+  A short lead is the ldmatrix latency the warp must cover with other warps' work.
+These are the figures that explained flash v9 without a GPU (kernels/NOTES.md, "where v9 waits"): the
+source kept four S chains, the SASS two.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kdev.build import demangle, find_cuobjdump, find_nvcc
+from kdev.errors import BadInput, EnvironmentMissing
+
+_RE_ARCH = re.compile(r"^\s*code for (sm_\w+)")
+_RE_FUNC = re.compile(r"^\s*Function : (\S+)")
+_RE_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_RE_REG = re.compile(r"^R(\d+)$")
+_LOADS = ("LDSM", "LDS")  # shared-memory loads that feed mma fragments
+
+
+@dataclass
+class Instr:
+    addr: int
+    opcode: str  # full opcode with modifiers, e.g. HMMA.16816.F32.BF16
+    operands: list[str]
+    predicated: bool
+
+    @property
+    def op(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+@dataclass
+class Function:
+    arch: str
+    name: str
+    instrs: list[Instr] = field(default_factory=list)
+
+
+def parse_instr(text: str, addr: int) -> Instr:
+    pred = text.startswith("@")
+    if pred:
+        text = text.split(None, 1)[1]
+    opcode, _, rest = text.partition(" ")
+    ops = [o.strip() for o in rest.split(",")] if rest.strip() else []
+    return Instr(addr=addr, opcode=opcode, operands=ops, predicated=pred)
+
+
+def parse(text: str) -> list[Function]:
+    """cuobjdump -sass output -> one Function per (arch, kernel), instructions in address order."""
+    funcs: list[Function] = []
+    arch, cur = None, None
+    for line in text.splitlines():
+        m = _RE_ARCH.match(line)
+        if m:
+            arch, cur = m.group(1), None
+            continue
+        m = _RE_FUNC.match(line)
+        if m:
+            cur = Function(arch=arch or "?", name=m.group(1))
+            funcs.append(cur)
+            continue
+        m = _RE_INSTR.match(line)
+        if m and cur is not None:
+            cur.instrs.append(parse_instr(m.group(2), int(m.group(1), 16)))
+    return funcs
+
+
+def _reg(operand: str) -> int | None:
+    m = _RE_REG.match(operand.split(".")[0].lstrip("-|"))
+    return int(m.group(1)) if m else None
+
+
+def _dest_regs(ins: Instr) -> range:
+    """Registers a fragment load writes: LDSM .x1/.x2/.x4 one to four, LDS.32/.64/.128 one to four."""
+    base = _reg(ins.operands[0]) if ins.operands else None
+    if base is None:
+        return range(0)
+    mods = ins.opcode.split(".")
+    if ins.op == "LDSM":
+        n = int(mods[-1]) if mods[-1].isdigit() else 1
+    else:
+        n = {"64": 2, "128": 4}.get(mods[-1], 1)
+    return range(base, base + n)
+
+
+def loops(fn: Function) -> list[tuple[int, int]]:
+    """(first, last) instruction indexes of each loop: a branch back to an earlier address."""
+    index = {ins.addr: i for i, ins in enumerate(fn.instrs)}
+    out = []
+    for i, ins in enumerate(fn.instrs):
+        if ins.op == "BRA" and ins.operands:
+            try:
+                target = int(ins.operands[-1], 16)
+            except ValueError:
+                continue
+            # a back edge, unless it jumps over an unconditional EXIT: that is a retry stub placed after the
+            # function's end (an mbarrier wait) jumping back into the code, not a loop
+            if target <= ins.addr and target in index and not any(
+                    x.op == "EXIT" and not x.predicated for x in fn.instrs[index[target]:i]):
+                out.append((index[target], i))
+    return sorted(set(out))
+
+
+def loop_report(fn: Function, first: int, last: int) -> dict:
+    body = fn.instrs[first:last + 1]
+    hmma = [(k, ins) for k, ins in enumerate(body) if ins.op == "HMMA"]
+    # accumulator chains: the HMMA that last wrote this HMMA's C register, earlier in the body or (for a
+    # value carried around the loop) later in it, counted in HMMAs
+    writer = {}  # base register -> position in the HMMA sequence of its last writer so far
+    last_writer = {}
+    for j, (_, ins) in enumerate(hmma):
+        last_writer[_reg(ins.operands[0])] = j
+    chain = []
+    for j, (_, ins) in enumerate(hmma):
+        c = _reg(ins.operands[3]) if len(ins.operands) > 3 else None
+        if c is not None:
+            if c in writer:
+                chain.append(j - writer[c])
+            elif c in last_writer:
+                chain.append(j + len(hmma) - last_writer[c])
+        writer[_reg(ins.operands[0])] = j
+    # load lead: instructions from the load that wrote an HMMA's A or B fragment to the HMMA
+    loaded = {}  # register -> body position of the load that wrote it last
+    lead = []
+    for k, ins in enumerate(body):
+        if ins.op in _LOADS:
+            for r in _dest_regs(ins):
+                loaded[r] = k
+        elif ins.op == "HMMA":
+            srcs = [_reg(o) for o in ins.operands[1:3]]
+            ks = [loaded[r] for r in srcs if r is not None and r in loaded]
+            if ks:
+                lead.append(k - max(ks))
+            d = _reg(ins.operands[0])
+            for r in range(d, d + 4) if d is not None else ():
+                loaded.pop(r, None)
+        else:
+            d = _reg(ins.operands[0]) if ins.operands else None
+            if d is not None:
+                loaded.pop(d, None)  # overwritten by something else
+    hmma_ins = [ins for _, ins in hmma]
+    return {
+        "address": f"{body[0].addr:#06x}",
+        "instructions": len(body),
+        "hmma": len(hmma_ins),
+        "loads": sum(ins.op in _LOADS for ins in body),
+        "nop": sum(ins.op == "NOP" for ins in body),
+        "chain_min": min(chain) if chain else None,
+        "chain_median": statistics.median(chain) if chain else None,
+        "chains": {str(d): chain.count(d) for d in sorted(set(chain))},
+        "lead_min": min(lead) if lead else None,
+        "lead_median": statistics.median(lead) if lead else None,
+    }
+
+
+def report(functions: list[Function], kernel: str, archs: list[str] | None = None) -> list[dict]:
+    """One row per (arch, kernel, HMMA loop) of the functions whose readable name contains `kernel`."""
+    names = demangle(sorted({f.name for f in functions}))
+    picked = [f for f in functions if kernel in names[f.name] and (not archs or f.arch in archs)]
+    if not picked:
+        have = sorted({names[f.name] for f in functions})
+        raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
+                       + f"; the library has: {', '.join(have) or 'none'}")
+    rows = []
+    for f in picked:
+        for first, last in loops(f):
+            r = loop_report(f, first, last)
+            if r["hmma"]:
+                rows.append({"arch": f.arch, "kernel": names[f.name], **r})
+    return rows
+
+
+def dump(library: Path) -> str:
+    """The library's SASS as cuobjdump prints it."""
+    if not library.is_file():
+        raise BadInput(f"{library}: no such library")
+    try:
+        nvcc = find_nvcc()
+    except EnvironmentMissing:
+        nvcc = None
+    tool = find_cuobjdump(nvcc)
+    if tool is None:
+        raise EnvironmentMissing("cuobjdump not found (pip install 'kdev[build]', or put the CUDA toolkit on PATH)")
+    r = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BadInput(f"cuobjdump could not read {library}: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+    return r.stdout

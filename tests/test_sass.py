@@ -1,0 +1,128 @@
+"""kdev sass: SASS parsing, loop finding, accumulator-chain distances and load leads on hand-written SASS,
+and the command on a real library where nvcc is present."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kdev import build as kbuild
+from kdev import sass
+from kdev.errors import BadInput
+
+# Two kernels as cuobjdump prints them. k_two_chains: a loop whose four HMMA form two accumulator chains
+# (R8 and R12, each read two HMMAs after it was written), fragments loaded 3 and 1 instructions ahead, and a
+# retry stub after EXIT that jumps back into the loop (not a loop of its own). k_carried: accumulators
+# carried around the loop (each HMMA reads what the same HMMA wrote one iteration before).
+SASS = textwrap.dedent("""\
+    Fatbin elf code:
+    ================
+    arch = sm_90
+
+    \tcode for sm_90
+    \t\tFunction : k_two_chains
+    \t.headerflags\t@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+            /*0000*/                   MOV R1, c[0x0][0x28] ;                     /* 0x000 */
+            /*0010*/                   CS2R R8, SRZ ;                             /* 0x000 */
+            /*0020*/                   LDSM.16.M88.4 R20, [R2] ;                  /* 0x000 */
+            /*0030*/                   LDS.128 R24, [R3] ;                        /* 0x000 */
+            /*0040*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R4], R5 ;  /* 0x000 */
+            /*0050*/              @!P0 BRA 0x00c0 ;                               /* 0x000 */
+            /*0060*/                   HMMA.16816.F32.BF16 R8, R24, R20, R8 ;     /* 0x000 */
+            /*0070*/                   HMMA.16816.F32.BF16 R12, R24, R22, R12 ;   /* 0x000 */
+            /*0080*/                   NOP ;                                      /* 0x000 */
+            /*0090*/                   HMMA.16816.F32.BF16 R8, R24, R20, R8 ;     /* 0x000 */
+            /*00a0*/                   HMMA.16816.F32.BF16 R12, R24, R22, R12 ;   /* 0x000 */
+            /*00b0*/               @P1 BRA 0x0020 ;                               /* 0x000 */
+            /*00c0*/                   EXIT ;                                     /* 0x000 */
+            /*00d0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R4], R5 ;  /* 0x000 */
+            /*00e0*/              @!P0 BRA 0x00d0 ;                               /* 0x000 */
+            /*00f0*/                   BRA 0x0060 ;                               /* 0x000 */
+    \t\t..........
+
+    \t\tFunction : k_carried
+            /*0000*/                   LDSM.16.MT88.4 R40, [R2] ;                 /* 0x000 */
+            /*0010*/                   IMAD.MOV.U32 R42, RZ, RZ, R7 ;             /* 0x000 */
+            /*0020*/                   HMMA.16816.F32.BF16 R0, R44, R40, R0 ;     /* 0x000 */
+            /*0030*/                   HMMA.16816.F32.BF16 R4, R44, R42, R4 ;     /* 0x000 */
+            /*0040*/                   HMMA.16816.F32.BF16 R16, R44, R40, RZ ;    /* 0x000 */
+            /*0050*/               @P0 BRA 0x0000 ;                               /* 0x000 */
+            /*0060*/                   EXIT ;                                     /* 0x000 */
+
+    Fatbin elf code:
+    ================
+    arch = sm_120
+
+    \tcode for sm_120
+    \t\tFunction : k_carried
+            /*0000*/                   HMMA.16816.F32.BF16 R0, R44, R40, R0 ;     /* 0x000 */
+            /*0010*/               @P0 BRA 0x0000 ;                               /* 0x000 */
+            /*0020*/                   EXIT ;                                     /* 0x000 */
+    """)
+
+
+def test_parse_splits_functions_by_arch_and_reads_instructions():
+    fns = sass.parse(SASS)
+    assert [(f.arch, f.name) for f in fns] == [("sm_90", "k_two_chains"), ("sm_90", "k_carried"),
+                                              ("sm_120", "k_carried")]
+    ins = fns[0].instrs[5]
+    assert (ins.addr, ins.op, ins.opcode, ins.predicated, ins.operands) == (0x50, "BRA", "BRA", True, ["0x00c0"])
+    assert fns[0].instrs[6].operands == ["R8", "R24", "R20", "R8"]
+
+
+def test_loops_are_back_edges_but_not_retry_stubs_jumping_over_exit():
+    two, carried, _ = sass.parse(SASS)
+    # 0x0020..0x00b0, and the stub's own wait loop at 0x00d0..0x00e0; the stub's jump from 0x00f0 back into
+    # the loop crosses EXIT and is no loop
+    assert sass.loops(two) == [(2, 11), (13, 14)]
+    assert sass.loops(carried) == [(0, 5)]
+
+
+def test_chain_distances_and_load_leads():
+    two, carried, _ = sass.parse(SASS)
+    r = sass.loop_report(two, 2, 11)
+    assert (r["instructions"], r["hmma"], r["loads"], r["nop"]) == (10, 4, 2, 1)
+    # R8 and R12 chains: the first two read values carried from the previous iteration (4 - 2 = 2 back),
+    # the last two the HMMA two places before
+    assert r["chains"] == {"2": 4} and (r["chain_min"], r["chain_median"]) == (2, 2)
+    # fragments: LDSM R20..R23 at 0, LDS.128 R24..R27 at 1; HMMAs at 4, 5, 7, 8 -> leads 3, 4, 6, 7
+    assert (r["lead_min"], r["lead_median"]) == (3, 5)
+
+    c = sass.loop_report(carried, 0, 5)
+    # R0 and R4 are carried (3 HMMAs per iteration: 3 back); R16 starts from RZ (no chain)
+    assert c["chains"] == {"3": 2}
+    # R42 was overwritten by the IMAD after the LDSM: only the HMMAs reading R40 count (leads 2 and 4)
+    assert (c["lead_min"], c["lead_median"]) == (2, 3)
+
+
+def test_report_filters_kernel_and_arch_and_names_what_exists():
+    fns = sass.parse(SASS)
+    rows = sass.report(fns, "k_carried")
+    assert [(r["arch"], r["hmma"]) for r in rows] == [("sm_90", 3), ("sm_120", 1)]
+    assert [r["arch"] for r in sass.report(fns, "k_carried", ["sm_120"])] == ["sm_120"]
+    with pytest.raises(BadInput, match="no kernel matching 'nope'.*k_carried, k_two_chains"):
+        sass.report(fns, "nope")
+
+
+def test_missing_library_is_bad_input(tmp_path):
+    with pytest.raises(BadInput, match="no such library"):
+        sass.dump(tmp_path / "libnone.so")
+
+
+@pytest.mark.nvcc
+def test_sass_command_on_a_built_library(sm90_library):
+    if kbuild.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install 'kdev[build]')")
+    out = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    loops = doc["loops"]
+    assert loops and all(r["arch"] == "sm_90" and r["kernel"] == "verify_attn_flash_kernel" for r in loops)
+    for r in loops:
+        assert r["hmma"] > 0 and sum(r["chains"].values()) <= r["hmma"]
+    bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no kernel matching" in bad.stderr and "Traceback" not in bad.stderr
