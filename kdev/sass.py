@@ -13,6 +13,7 @@ source kept four S chains, the SASS two.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import subprocess
@@ -193,7 +194,15 @@ def dump(library: Path) -> str:
     tool = find_cuobjdump(nvcc)
     if tool is None:
         raise EnvironmentMissing("cuobjdump not found (pip install 'kdev[build]', or put the CUDA toolkit on PATH)")
-    r = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True)
+    # cuobjdump hands the disassembly to nvdisasm, which it finds on PATH or through NVDISASM_PATH: point it
+    # at the one beside it (the wheels install both into one folder)
+    env = dict(os.environ)
+    if (Path(tool).parent / "nvdisasm").is_file():
+        env.setdefault("NVDISASM_PATH", str(Path(tool).parent))
+    r = subprocess.run([tool, "-sass", str(library)], capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise BadInput(f"cuobjdump could not read {library}: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        if "nvdisasm" in last:
+            raise EnvironmentMissing(f"cuobjdump needs nvdisasm for SASS: {last} (pip install 'kdev[build]')")
+        raise BadInput(f"cuobjdump could not read {library}: {last}")
     return r.stdout

@@ -126,3 +126,16 @@ def test_sass_command_on_a_built_library(sm90_library):
     bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no kernel matching" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cuobjdump_without_nvdisasm_is_an_environment_error(tmp_path, monkeypatch):
+    from kdev.errors import EnvironmentMissing
+
+    fake = tmp_path / "cuobjdump"
+    fake.write_text("#!/bin/sh\necho \"cuobjdump fatal   : Could not find executable file 'nvdisasm'\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    lib = tmp_path / "libkdtree.so"
+    lib.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(sass, "find_cuobjdump", lambda nvcc=None: str(fake))
+    with pytest.raises(EnvironmentMissing, match="needs nvdisasm"):
+        sass.dump(lib)
