@@ -451,7 +451,7 @@ def sass_cmd(
     def pair(lo, med):
         return "-" if lo is None else f"{lo} / {med:g}"
 
-    def _chain_histogram(chains: dict) -> str:  # distances past 8 are values carried around the loop
+    def histogram(chains: dict) -> str:  # distances past 8 are values carried around the loop
         near = [f"{d}:{n}" for d, n in chains.items() if int(d) <= 8]
         far = sum(n for d, n in chains.items() if int(d) > 8)
         return " ".join(near + ([f">8:{far}"] if far else [])) or "-"
@@ -459,7 +459,7 @@ def sass_cmd(
     for name in sorted({r["kernel"] for r in rows}):
         table_rows = [[r["arch"], r["address"], r["instructions"], r["hmma"], r["loads"], r["nop"],
                        pair(r["chain_min"], r["chain_median"]),
-                       _chain_histogram(r["chains"]),
+                       histogram(r["chains"]),
                        pair(r["lead_min"], r["lead_median"])] for r in rows if r["kernel"] == name]
         report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
                                  ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead"],

@@ -151,11 +151,10 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
             d = _reg(ins.operands[0]) if ins.operands else None
             if d is not None:
                 loaded.pop(d, None)  # overwritten by something else
-    hmma_ins = [ins for _, ins in hmma]
     return {
         "address": f"{body[0].addr:#06x}",
         "instructions": len(body),
-        "hmma": len(hmma_ins),
+        "hmma": len(hmma),
         "loads": sum(ins.op in _LOADS for ins in body),
         "nop": sum(ins.op == "NOP" for ins in body),
         "chain_min": min(chain) if chain else None,
