@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200), the GPU tests,
+# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
+# (kdev sass, into round.log), the GPU tests,
 # kdev verify on the smoke suite and a fuzz run, and a short bench. Results go under $OUT (default
 # ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
@@ -59,6 +60,9 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
+# the SASS schedule of the flash kernel just built (accumulator chains, fragment-load lead), for the record
+# beside the timings; informational, not a step: a machine without cuobjdump / nvdisasm only loses the table
+{ echo "=== sass: python3 -m kdev sass --arch sm_90"; python3 -m kdev sass --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 12
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
