@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
 # (kdev sass, into round.log), the GPU tests, kdev verify on the smoke suite and a fuzz run, and a short
-# bench. Results go under $OUT (default
-# ./gpu-results): at most 8 files, the last lines of each step on stdout.
+# bench. Results go under $OUT (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-only]
