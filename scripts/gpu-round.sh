@@ -61,7 +61,9 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
 step build python3 -m kdev build --arch sm_90
 # the SASS schedule of the flash kernel just built (accumulator chains, fragment-load lead), for the record
 # beside the timings; informational, not a step: a machine without cuobjdump / nvdisasm only loses the table
-{ echo "=== sass: python3 -m kdev sass --arch sm_90"; python3 -m kdev sass --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 12
+# (only after a good build: latest.json would still name the previous library)
+[ "${RC[build]}" = 0 ] &&
+  { echo "=== sass: python3 -m kdev sass --arch sm_90"; python3 -m kdev sass --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 12
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
