@@ -499,7 +499,44 @@ def measure_ceilings(lib, device) -> dict:
         e.record()
         e.synchronize()
         bw = max(bw, 2 * n * 2 / (s.elapsed_time(e) / 1e3))
-    return {"flops": best, "bytes_per_s": bw, "source": f"kdev bench --ceilings ({time.strftime('%Y-%m-%d')})"}
+    return {"flops": best, "bytes_per_s": bw, "source": f"kdev bench --ceilings ({time.strftime('%Y-%m-%d')})",
+            "inner_loops": measure_inner_loops(lib, device, best)}
+
+
+def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
+    """The flash kernel's tensor loops alone at its occupancy (kernels/ceilings.cu says which loops): per
+    loop the best of five launches, as TFLOP/s and as a fraction of the mma.sync peak just measured. What a
+    kernel of that shape could reach if everything but its mma and fragment loads were free."""
+    import ctypes
+
+    import torch
+
+    L = lib.lib
+    L.kdtree_bench_loop.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    L.kdtree_bench_loop.restype = ctypes.c_int
+    L.kdtree_bench_loop_name.restype = ctypes.c_char_p
+    L.kdtree_bench_loop_name.argtypes = [ctypes.c_int]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sink = torch.zeros(512, device=device)
+    stream = torch.cuda.current_stream()
+    tiles = 2048  # ~2 ms per launch at the flash kernel's tile rate: event resolution is not a factor
+    loops = []
+    for i in range(L.kdtree_bench_loop_count()):
+        name = L.kdtree_bench_loop_name(i).decode()
+        warps, mma = L.kdtree_bench_loop_warps(i), L.kdtree_bench_loop_mma_per_tile(i)
+        best = 0.0
+        for _ in range(5):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            st = L.kdtree_bench_loop(i, sms, tiles, ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
+            e.record()
+            e.synchronize()
+            if st != 0:
+                raise RuntimeError(f"kdtree_bench_loop({name}): status {st}")
+            best = max(best, sms * warps * tiles * mma * 4096.0 / (s.elapsed_time(e) / 1e3))
+        loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": best,
+                      "of_peak": best / peak_flops if peak_flops > 0 else None})
+    return loops
 
 
 # ----------------------------------------------------------------------------------------------- running

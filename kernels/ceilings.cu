@@ -51,3 +51,190 @@ int kdtree_bench_mma_peak(int blocks, int iters, float* sink, cudaStream_t strea
 int kdtree_bench_mma_chains(void) { return kChains; }
 
 }  // extern "C"
+
+// ------------------------------------------------------------------------------------------------------
+// Inner-loop ceilings: the mma.sync rate the flash kernel's own loops can reach at its own occupancy.
+//
+// The peak above runs 64 warps per SM on register operands. The flash kernel runs 8 warps per SM (one CTA
+// of 256 threads), feeds every mma a B fragment from ldmatrix, and keeps 200 registers of Q and O live. These
+// variants time exactly that tensor work with nothing else in the loop (no softmax, no exchange, no gather),
+// one CTA per SM, so that `flash time / inner-loop time` says how much of a kernel's tile is tensor work at
+// the achievable rate and how much is everything else:
+//   S     per 32-token tile and warp: 18 k-steps x (2 ldmatrix.x4 of K + 4 mma), Q fragments in registers
+//         (16 rows x 288 dims: the flash kernel's S half);
+//   PV    2 k-steps x 16 x (1 ldmatrix.x4.trans of V + 2 mma) into 128 fp32 accumulators (16 rows x 256
+//         value columns), P as A fragments from the S accumulators;
+//   S+PV  both, P packed from that tile's S: the flash kernel's tile minus everything but the tensor work;
+//   regs  the S loop's mma on register operands only (no ldmatrix): the issue rate of 4 chains at this
+//         occupancy;
+//   Q by ldmatrix: S reads Q's A fragment by ldmatrix every k-step instead of holding Q in registers.
+// The 16-warp variants are the same loops for a CTA of 16 warps (16 rows x 144 dims, 16 rows x 128 value
+// columns of O per warp): what a two-CTAs-per-SM design would get from its extra warps. At 16 warps a thread
+// has 128 registers, and O (64) + Q (36) + S (16) + fragments do not fit (ptxas spills): Q comes by ldmatrix.
+// KV rows are 584 bf16 apart, as in the flash kernel, so ldmatrix is bank-conflict free.
+#include <cuda_bf16.h>
+
+namespace {
+
+constexpr int kLoopTileTokens = 32;
+constexpr int kLoopStride = 576 + 8;
+constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
+enum LoopParts { kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4 };
+
+__device__ __forceinline__ void loop_ldsm_x4(uint32_t (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void loop_ldsm_x4_trans(uint32_t (&r)[4], unsigned a) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void loop_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t loop_pack(float x, float y) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// kKSteps: S k-steps per warp (its share of the 576 dims / 16); kOTiles: 8-column n-tiles of O per warp.
+template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts>
+__global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int tiles, float* sink) {
+  extern __shared__ __align__(16) unsigned char loop_smem[];
+  __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // two 32-token tiles, like the flash kernel
+  for (int i = threadIdx.x; i < 2 * kLoopTileTokens * kLoopStride; i += blockDim.x)
+    kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8;
+  const int part = warp / 4;  // which dims (S) and value columns (PV) this warp's loads cover
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(kv));
+  const unsigned k_off = (((mi / 2) * 8 + lane % 8) * kLoopStride + part * kKSteps * 16 + (mi % 2) * 8) * 2;
+  const unsigned v_off = (((mi % 2) * 8 + lane % 8) * kLoopStride + part * kOTiles * 8 + (mi / 2) * 8) * 2;
+  // Q fragments from shared memory, so they stay live registers (as in the flash kernel) instead of constants;
+  // with kPartQShared they are re-read by ldmatrix every k-step instead (no Q registers; one more load)
+  constexpr bool kQShared = (kParts & kPartQShared) != 0;
+  const unsigned q_off = ((lane % 16) * kLoopStride + part * kKSteps * 16 + (lane / 16) * 8) * 2;
+  uint32_t qf[kQShared ? 2 : kKSteps][4];
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(kv);
+#pragma unroll
+  for (int ks = 0; ks < (kQShared ? 2 : kKSteps); ++ks)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) qf[ks][i] = words[(ks * 4 + i) * 37 + lane];
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  float total = 0.f;
+#pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
+  for (int t = 0; t < tiles; ++t) {
+    const unsigned tile = base + (t & 1) * kLoopTileBytes, other = base + ((t & 1) ^ 1) * kLoopTileBytes;
+    uint32_t pf[2][4];
+    if constexpr (kParts & kPartS || kParts == kPartRegs) {
+      float sacc[4][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t bf[4], bg[4];
+        if constexpr (kParts == kPartRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) bf[i] = bg[i] = qf[kKSteps - 1 - ks][i];
+        } else {
+          loop_ldsm_x4(bf, tile + k_off + ks * 32);
+          loop_ldsm_x4(bg, tile + k_off + 16 * kLoopStride * 2 + ks * 32);
+        }
+        uint32_t qs[4];
+        if constexpr (kQShared) loop_ldsm_x4(qs, other + q_off + ks * 32);
+        const uint32_t (&a)[4] = kQShared ? qs : qf[kQShared ? 0 : ks];
+        loop_mma(sacc[0], a, bf[0], bf[1]);
+        loop_mma(sacc[1], a, bf[2], bf[3]);
+        loop_mma(sacc[2], a, bg[0], bg[1]);
+        loop_mma(sacc[3], a, bg[2], bg[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        pf[nt / 2][(nt % 2) * 2 + 0] = loop_pack(sacc[nt][0], sacc[nt][1]);
+        pf[nt / 2][(nt % 2) * 2 + 1] = loop_pack(sacc[nt][2], sacc[nt][3]);
+        if constexpr (!(kParts & kPartPV)) total += sacc[nt][0] + sacc[nt][1] + sacc[nt][2] + sacc[nt][3];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pf[0][i] = qf[0][i], pf[1][i] = qf[1][i];
+    }
+    if constexpr ((kParts & kPartPV) != 0) {
+#pragma unroll
+      for (int kk = 0; kk < kLoopTileTokens / 16; ++kk) {
+        const unsigned vrow = tile + v_off + kk * 16 * kLoopStride * 2;
+#pragma unroll
+        for (int np = 0; np < kOTiles / 2; ++np) {
+          uint32_t bf[4];
+          loop_ldsm_x4_trans(bf, vrow + np * 32);
+          loop_mma(o[2 * np], pf[kk], bf[0], bf[1]);
+          loop_mma(o[2 * np + 1], pf[kk], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) total += o[nt][0] + o[nt][1] + o[nt][2] + o[nt][3];
+  if (total == 1234.5f) sink[threadIdx.x] = total;  // keeps the work; practically never true
+}
+
+struct InnerLoop {
+  const char* name;
+  void (*kernel)(int, float*);
+  int warps;           // per CTA, one CTA per SM
+  int mma_per_tile;    // per warp
+};
+
+template <int W, int KS, int OT, int P>
+constexpr InnerLoop inner_loop(const char* name) {
+  return {name, inner_loop_kernel<W, KS, OT, P>, W,
+          ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0)};
+}
+
+const InnerLoop kInnerLoops[] = {
+    inner_loop<8, 18, 32, kPartRegs>("regs 8w"),
+    inner_loop<8, 18, 32, kPartS>("S 8w"),
+    inner_loop<8, 18, 32, kPartPV>("PV 8w"),
+    inner_loop<8, 18, 32, kPartS | kPartPV>("S+PV 8w"),
+    inner_loop<16, 9, 16, kPartRegs>("regs 16w"),
+    inner_loop<16, 9, 16, kPartS | kPartPV | kPartQShared>("S+PV 16w, Q by ldmatrix"),
+    inner_loop<8, 18, 32, kPartS | kPartPV | kPartQShared>("S+PV 8w, Q by ldmatrix"),
+};
+constexpr int kNumInnerLoops = sizeof(kInnerLoops) / sizeof(kInnerLoops[0]);
+
+}  // namespace
+
+extern "C" {
+
+int kdtree_bench_loop_count(void) { return kNumInnerLoops; }
+
+// Name, warps per CTA and mma.sync per warp per 32-token tile of inner loop `i`; null / 0 for a bad index.
+const char* kdtree_bench_loop_name(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].name : nullptr; }
+int kdtree_bench_loop_warps(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].warps : 0; }
+int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].mma_per_tile : 0; }
+
+// Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
+// that no second CTA fits), each warp running `tiles` 32-token tiles. Status 0 ok, 1 invalid argument,
+// 2 CUDA error. FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
+int kdtree_bench_loop(int i, int blocks, int tiles, float* sink, cudaStream_t stream) {
+  if (i < 0 || i >= kNumInnerLoops || blocks < 1 || tiles < 1 || sink == nullptr) return 1;
+  int dev = 0, per_sm = 0, opt_in = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 2;
+  int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
+  if (smem < (int)(2 * kLoopTileBytes)) smem = 2 * kLoopTileBytes;
+  if (smem > opt_in) return 1;
+  const InnerLoop& loop = kInnerLoops[i];
+  if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
+  loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, sink);
+  return cudaGetLastError() == cudaSuccess ? 0 : 2;
+}
+
+}  // extern "C"

@@ -45,3 +45,27 @@ def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
         assert r.timing["median_us"] > 0
         if r.backend == "compact":
             assert r.bytes >= 2 * 1152 * 2  # at least each request's root row, read and written
+
+
+def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
+    import ctypes
+
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    peak = 0.0
+    loops = bench.measure_inner_loops(lib, device, peak)
+    names = [r["loop"] for r in loops]
+    assert len(names) == len(set(names)) >= 4
+    for r in loops:
+        assert r["flops"] > 1e12 and r["mma_per_warp_tile"] > 0 and r["warps_per_sm"] in (8, 16), r
+        assert r["of_peak"] is None  # no peak given, no fraction invented
+    # an inner loop is the peak microbenchmark's work with less parallelism: it cannot beat it by more than noise
+    c = bench.measure_ceilings(lib, device)
+    for r in c["inner_loops"]:
+        assert 0.0 < r["of_peak"] <= 1.05, r
+    L = lib.lib
+    sink = torch.zeros(512, device=device)
+    assert L.kdtree_bench_loop(len(loops), 1, 1, ctypes.c_void_p(sink.data_ptr()), None) == 1
+    assert L.kdtree_bench_loop(0, 1, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1
+    assert L.kdtree_bench_loop_name(-1) is None and L.kdtree_bench_loop_warps(len(loops)) == 0
