@@ -504,20 +504,25 @@ def measure_ceilings(lib, device) -> dict:
 
 
 def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
-    """The flash kernel's tensor loops alone at its occupancy (kernels/ceilings.cu says which loops): per
-    loop the best of five launches, as TFLOP/s and as a fraction of the mma.sync peak just measured. What a
-    kernel of that shape could reach if everything but its mma and fragment loads were free."""
+    """The flash kernel's loop at its occupancy, alone and then piece by piece (kernels/ceilings.cu says
+    which loops): per loop the best of five launches, as TFLOP/s and as a fraction of the mma.sync peak just
+    measured. The first rungs say what a kernel of that shape could reach if everything but its mma and
+    fragment loads were free; each further rung, what one more of the kernel's pieces costs."""
     import ctypes
 
     import torch
 
     L = lib.lib
-    L.kdtree_bench_loop.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    L.kdtree_bench_loop.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                                    ctypes.c_void_p, ctypes.c_void_p]
     L.kdtree_bench_loop.restype = ctypes.c_int
     L.kdtree_bench_loop_name.restype = ctypes.c_char_p
     L.kdtree_bench_loop_name.argtypes = [ctypes.c_int]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     sink = torch.zeros(512, device=device)
+    # the gathering loops stream tiles from 16 MiB that stay in L2, as the flash kernel's KV tiles mostly do
+    # (every row tile's CTA reads the same tile; only the first read comes from HBM)
+    src = torch.randn(8 << 20, device=device).to(torch.bfloat16)
     stream = torch.cuda.current_stream()
     tiles = 2048  # ~2 ms per launch at the flash kernel's tile rate: event resolution is not a factor
     loops = []
@@ -528,7 +533,8 @@ def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
         for _ in range(5):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            st = L.kdtree_bench_loop(i, sms, tiles, ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
+            st = L.kdtree_bench_loop(i, sms, tiles, ctypes.c_void_p(src.data_ptr()), src.numel() * 2,
+                                     ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
             e.record()
             e.synchronize()
             if st != 0:

@@ -53,33 +53,42 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 }  // extern "C"
 
 // ------------------------------------------------------------------------------------------------------
-// Inner-loop ceilings: the mma.sync rate the flash kernel's own loops can reach at its own occupancy.
+// Inner-loop ceilings: what the flash kernel's loop reaches at its own occupancy, one piece at a time.
 //
 // The peak above runs 64 warps per SM on register operands. The flash kernel runs 8 warps per SM (one CTA
-// of 256 threads), feeds every mma a B fragment from ldmatrix, and keeps 200 registers of Q and O live. These
-// variants time exactly that tensor work with nothing else in the loop (no softmax, no exchange, no gather),
-// one CTA per SM, so that `flash time / inner-loop time` says how much of a kernel's tile is tensor work at
-// the achievable rate and how much is everything else:
-//   S     per 32-token tile and warp: 18 k-steps x (2 ldmatrix.x4 of K + 4 mma), Q fragments in registers
-//         (16 rows x 288 dims: the flash kernel's S half);
-//   PV    2 k-steps x 16 x (1 ldmatrix.x4.trans of V + 2 mma) into 128 fp32 accumulators (16 rows x 256
-//         value columns), P as A fragments from the S accumulators;
-//   S+PV  both, P packed from that tile's S: the flash kernel's tile minus everything but the tensor work;
-//   regs  the S loop's mma on register operands only (no ldmatrix): the issue rate of 4 chains at this
-//         occupancy;
+// of 256 threads), feeds every mma a B fragment from ldmatrix, keeps 200 registers of Q and O live, and does
+// more than mma in each 32-token KV tile. These variants time its loop with nothing else, one CTA per SM,
+// then add the kernel's other pieces one at a time (a ladder), so the cost of each piece is measured, not
+// guessed:
+//   S        per tile and warp: 18 k-steps x (2 ldmatrix.x4 of K + 4 mma), Q fragments in registers
+//            (16 rows x 288 dims: the flash kernel's S half);
+//   PV       2 k-steps x 16 x (1 ldmatrix.x4.trans of V + 2 mma) into 128 fp32 accumulators (16 rows x 256
+//            value columns), P as A fragments packed from the S accumulators;
+//   +xchg    the two dim halves of S meet in shared memory at a 64-thread named barrier (as in the kernel);
+//   +softmax row max over the quad, exp2 against the running max, row sums, P packed from the exponentials;
+//   +sync    one block barrier per tile;
+//   +gather  the next tile copied from global memory by cp.async into the other buffer (contiguous rows,
+//            no page table), waited for before the barrier: the kernel's double buffer;
+//   regs     the S loop's mma on register operands only (no ldmatrix), accumulating across tiles: the issue
+//            rate of 4 chains per warp at this occupancy;
 //   Q by ldmatrix: S reads Q's A fragment by ldmatrix every k-step instead of holding Q in registers.
-// The 16-warp variants are the same loops for a CTA of 16 warps (16 rows x 144 dims, 16 rows x 128 value
-// columns of O per warp): what a two-CTAs-per-SM design would get from its extra warps. At 16 warps a thread
-// has 128 registers, and O (64) + Q (36) + S (16) + fragments do not fit (ptxas spills): Q comes by ldmatrix.
+// The 16-warp variant is S+PV for a CTA of 16 warps (16 rows x 144 dims, 16 rows x 128 value columns of O
+// per warp): what more warps per SM would get. At 16 warps a thread has 128 registers, and O (64) + Q (36)
+// + S (16) + fragments do not fit (ptxas spills): Q comes by ldmatrix there.
 // KV rows are 584 bf16 apart, as in the flash kernel, so ldmatrix is bank-conflict free.
 #include <cuda_bf16.h>
 
 namespace {
 
 constexpr int kLoopTileTokens = 32;
+constexpr int kLoopRowBytes = 576 * 2;
 constexpr int kLoopStride = 576 + 8;
 constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
-enum LoopParts { kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4 };
+constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 32 lanes x float4
+enum LoopParts {
+  kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
+  kPartGather = 64
+};
 
 __device__ __forceinline__ void loop_ldsm_x4(uint32_t (&r)[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -104,10 +113,18 @@ __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
 }
 
 // kKSteps: S k-steps per warp (its share of the 576 dims / 16); kOTiles: 8-column n-tiles of O per warp.
+// `src` holds `src_tiles` contiguous 32-token tiles of 576-dim bf16 rows (read only with kPartGather).
 template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts>
-__global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int tiles, float* sink) {
+__global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
+    inner_loop_kernel(int tiles, const __nv_bfloat16* src, int src_tiles, float* sink) {
+  constexpr bool kRegs = kParts == kPartRegs, kDoS = (kParts & kPartS) != 0 || kRegs;
+  constexpr bool kDoPV = (kParts & kPartPV) != 0, kQShared = (kParts & kPartQShared) != 0;
+  constexpr bool kXchg = (kParts & kPartXchg) != 0, kSoftmax = (kParts & kPartSoftmax) != 0;
+  constexpr bool kGather = (kParts & kPartGather) != 0, kSync = (kParts & kPartSync) != 0 || kGather;
+  static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
   extern __shared__ __align__(16) unsigned char loop_smem[];
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // two 32-token tiles, like the flash kernel
+  float4* xchg = reinterpret_cast<float4*>(loop_smem + 2 * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
   for (int i = threadIdx.x; i < 2 * kLoopTileTokens * kLoopStride; i += blockDim.x)
     kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
   __syncthreads();
@@ -116,10 +133,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int ti
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(kv));
   const unsigned k_off = (((mi / 2) * 8 + lane % 8) * kLoopStride + part * kKSteps * 16 + (mi % 2) * 8) * 2;
   const unsigned v_off = (((mi % 2) * 8 + lane % 8) * kLoopStride + part * kOTiles * 8 + (mi / 2) * 8) * 2;
-  // Q fragments from shared memory, so they stay live registers (as in the flash kernel) instead of constants;
-  // with kPartQShared they are re-read by ldmatrix every k-step instead (no Q registers; one more load)
-  constexpr bool kQShared = (kParts & kPartQShared) != 0;
   const unsigned q_off = ((lane % 16) * kLoopStride + part * kKSteps * 16 + (lane / 16) * 8) * 2;
+  // Q fragments read from shared memory once, so they are live registers (as in the flash kernel), not
+  // constants the compiler could fold; with kQShared they are re-read by ldmatrix every k-step instead
   uint32_t qf[kQShared ? 2 : kKSteps][4];
   const uint32_t* words = reinterpret_cast<const uint32_t*>(kv);
 #pragma unroll
@@ -129,17 +145,39 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int ti
   float o[kOTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float total = 0.f;
+  float sacc[4][4] = {};
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, total = 0.f;
+  auto gather = [&](int t) {  // tile t of this CTA's stream into buffer t & 1: warp w copies rows w, w+8, ..
+    const char* tile_src = reinterpret_cast<const char*>(src) +
+                           (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
+    const unsigned dst = base + (t & 1) * kLoopTileBytes;
+#pragma unroll
+    for (int r = warp; r < kLoopTileTokens; r += kWarpsPerCta)
+#pragma unroll
+      for (int ch = lane; ch < kLoopRowBytes / 16; ch += 32)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + r * kLoopStride * 2 + ch * 16),
+                     "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  if constexpr (kGather) gather(0);
 #pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t & 1) * kLoopTileBytes, other = base + ((t & 1) ^ 1) * kLoopTileBytes;
+    if constexpr (kGather) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    if constexpr (kSync) __syncthreads();
+    if constexpr (kGather) {
+      if (t + 1 < tiles) gather(t + 1);
+    }
     uint32_t pf[2][4];
-    if constexpr (kParts & kPartS || kParts == kPartRegs) {
-      float sacc[4][4] = {};
+    if constexpr (kDoS) {
+      if constexpr (!kRegs) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+      }
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t bf[4], bg[4];
-        if constexpr (kParts == kPartRegs) {
+        if constexpr (kRegs) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) bf[i] = bg[i] = qf[kKSteps - 1 - ks][i];
         } else {
@@ -148,23 +186,72 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int ti
         }
         uint32_t qs[4];
         if constexpr (kQShared) loop_ldsm_x4(qs, other + q_off + ks * 32);
-        const uint32_t (&a)[4] = kQShared ? qs : qf[kQShared ? 0 : ks];
+        const uint32_t(&a)[4] = kQShared ? qs : qf[kQShared ? 0 : ks];
         loop_mma(sacc[0], a, bf[0], bf[1]);
         loop_mma(sacc[1], a, bf[2], bf[3]);
         loop_mma(sacc[2], a, bg[0], bg[1]);
         loop_mma(sacc[3], a, bg[2], bg[3]);
       }
+      if constexpr (kXchg) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          xchg[(warp * 4 + nt) * 32 + lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
+        asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp % 4) : "memory");
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const float4 v = xchg[((warp ^ 4) * 4 + nt) * 32 + lane];
+          sacc[nt][0] = (sacc[nt][0] + v.x) * 0.0625f;
+          sacc[nt][1] = (sacc[nt][1] + v.y) * 0.0625f;
+          sacc[nt][2] = (sacc[nt][2] + v.z) * 0.0625f;
+          sacc[nt][3] = (sacc[nt][3] + v.w) * 0.0625f;
+        }
+        // the partner may write the next tile's half only after this one is read: the kernel's block
+        // barrier orders that; without kSync a second pair barrier does
+        if constexpr (!kSync) asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp % 4) : "memory");
+      }
+      if constexpr (kSoftmax) {
+        float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mx_lo = fmaxf(mx_lo, fmaxf(sacc[nt][0], sacc[nt][1]));
+          mx_hi = fmaxf(mx_hi, fmaxf(sacc[nt][2], sacc[nt][3]));
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off *= 2) {
+          mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+          mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+        }
+        m_lo = mx_lo;
+        m_hi = mx_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          sacc[nt][0] = exp2f(sacc[nt][0] - m_lo);
+          sacc[nt][1] = exp2f(sacc[nt][1] - m_lo);
+          sacc[nt][2] = exp2f(sacc[nt][2] - m_hi);
+          sacc[nt][3] = exp2f(sacc[nt][3] - m_hi);
+          sum_lo += sacc[nt][0] + sacc[nt][1];
+          sum_hi += sacc[nt][2] + sacc[nt][3];
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off *= 2) {
+          sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
+          sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
+        }
+        l_lo += sum_lo;
+        l_hi += sum_hi;
+      }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         pf[nt / 2][(nt % 2) * 2 + 0] = loop_pack(sacc[nt][0], sacc[nt][1]);
         pf[nt / 2][(nt % 2) * 2 + 1] = loop_pack(sacc[nt][2], sacc[nt][3]);
-        if constexpr (!(kParts & kPartPV)) total += sacc[nt][0] + sacc[nt][1] + sacc[nt][2] + sacc[nt][3];
+        if constexpr (!kDoPV && !kRegs) total += sacc[nt][0] + sacc[nt][1] + sacc[nt][2] + sacc[nt][3];
       }
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) pf[0][i] = qf[0][i], pf[1][i] = qf[1][i];
     }
-    if constexpr ((kParts & kPartPV) != 0) {
+    if constexpr (kDoPV) {
 #pragma unroll
       for (int kk = 0; kk < kLoopTileTokens / 16; ++kk) {
         const unsigned vrow = tile + v_off + kk * 16 * kLoopStride * 2;
@@ -180,30 +267,39 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1) inner_loop_kernel(int ti
   }
 #pragma unroll
   for (int nt = 0; nt < kOTiles; ++nt) total += o[nt][0] + o[nt][1] + o[nt][2] + o[nt][3];
-  if (total == 1234.5f) sink[threadIdx.x] = total;  // keeps the work; practically never true
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) total += sacc[nt][0] + sacc[nt][1] + sacc[nt][2] + sacc[nt][3];
+  if (total + l_lo + l_hi == 1234.5f) sink[threadIdx.x] = total;  // keeps the work; practically never true
 }
 
 struct InnerLoop {
   const char* name;
-  void (*kernel)(int, float*);
-  int warps;           // per CTA, one CTA per SM
-  int mma_per_tile;    // per warp
+  void (*kernel)(int, const __nv_bfloat16*, int, float*);
+  int warps;         // per CTA, one CTA per SM
+  int mma_per_tile;  // per warp
+  bool gathers;      // reads `src`
 };
 
 template <int W, int KS, int OT, int P>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P>, W,
-          ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0)};
+          ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0), (P & kPartGather) != 0};
 }
 
+constexpr int kLadder = kPartS | kPartPV;
 const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kPartRegs>("regs 8w"),
     inner_loop<8, 18, 32, kPartS>("S 8w"),
     inner_loop<8, 18, 32, kPartPV>("PV 8w"),
-    inner_loop<8, 18, 32, kPartS | kPartPV>("S+PV 8w"),
+    inner_loop<8, 18, 32, kLadder>("S+PV 8w"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg>("S+PV 8w +xchg"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax>("S+PV 8w +xchg +softmax"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync>("S+PV 8w +xchg +softmax +sync"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 8w +xchg +softmax +gather"),
+    inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
+    inner_loop<8, 18, 32, kLadder | kPartQShared>("S+PV 8w, Q by ldmatrix"),
     inner_loop<16, 9, 16, kPartRegs>("regs 16w"),
-    inner_loop<16, 9, 16, kPartS | kPartPV | kPartQShared>("S+PV 16w, Q by ldmatrix"),
-    inner_loop<8, 18, 32, kPartS | kPartPV | kPartQShared>("S+PV 8w, Q by ldmatrix"),
+    inner_loop<16, 9, 16, kLadder | kPartQShared>("S+PV 16w, Q by ldmatrix"),
 };
 constexpr int kNumInnerLoops = sizeof(kInnerLoops) / sizeof(kInnerLoops[0]);
 
@@ -219,21 +315,27 @@ int kdtree_bench_loop_warps(int i) { return i >= 0 && i < kNumInnerLoops ? kInne
 int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].mma_per_tile : 0; }
 
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
-// that no second CTA fits), each warp running `tiles` 32-token tiles. Status 0 ok, 1 invalid argument,
-// 2 CUDA error. FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
-int kdtree_bench_loop(int i, int blocks, int tiles, float* sink, cudaStream_t stream) {
+// that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
+// must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error.
+// FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
+int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
+                      cudaStream_t stream) {
   if (i < 0 || i >= kNumInnerLoops || blocks < 1 || tiles < 1 || sink == nullptr) return 1;
+  const InnerLoop& loop = kInnerLoops[i];
+  const size_t tile_src_bytes = (size_t)kLoopTileTokens * kLoopRowBytes;
+  if (loop.gathers && (src == nullptr || src_bytes < tile_src_bytes)) return 1;
   int dev = 0, per_sm = 0, opt_in = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return 2;
   int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
-  if (smem < (int)(2 * kLoopTileBytes)) smem = 2 * kLoopTileBytes;
+  if (smem < (int)(2 * kLoopTileBytes + kLoopXchgBytes)) smem = 2 * kLoopTileBytes + kLoopXchgBytes;
   if (smem > opt_in) return 1;
-  const InnerLoop& loop = kInnerLoops[i];
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
-  loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, sink);
+  const int src_tiles = loop.gathers ? (int)(src_bytes / tile_src_bytes) : 1;
+  loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,
+                                                         sink);
   return cudaGetLastError() == cudaSuccess ? 0 : 2;
 }
 

@@ -66,6 +66,8 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
         assert 0.0 < r["of_peak"] <= 1.05, r
     L = lib.lib
     sink = torch.zeros(512, device=device)
-    assert L.kdtree_bench_loop(len(loops), 1, 1, ctypes.c_void_p(sink.data_ptr()), None) == 1
-    assert L.kdtree_bench_loop(0, 1, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1
+    gathers = names.index(next(n for n in names if "gather" in n))
+    assert L.kdtree_bench_loop(len(loops), 1, 1, None, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1
+    assert L.kdtree_bench_loop(0, 1, 0, None, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1
+    assert L.kdtree_bench_loop(gathers, 1, 1, None, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1  # no source
     assert L.kdtree_bench_loop_name(-1) is None and L.kdtree_bench_loop_warps(len(loops)) == 0
