@@ -529,7 +529,8 @@ def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
     for i in range(L.kdtree_bench_loop_count()):
         name = L.kdtree_bench_loop_name(i).decode()
         warps, mma = L.kdtree_bench_loop_warps(i), L.kdtree_bench_loop_mma_per_tile(i)
-        best = 0.0
+        tile_bytes = L.kdtree_bench_loop_tile_bytes(i)
+        best_s = float("inf")
         for _ in range(5):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
@@ -539,9 +540,11 @@ def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
             e.synchronize()
             if st != 0:
                 raise RuntimeError(f"kdtree_bench_loop({name}): status {st}")
-            best = max(best, sms * warps * tiles * mma * 4096.0 / (s.elapsed_time(e) / 1e3))
-        loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": best,
-                      "of_peak": best / peak_flops if peak_flops > 0 else None})
+            best_s = min(best_s, s.elapsed_time(e) / 1e3)
+        flops = sms * warps * tiles * mma * 4096.0 / best_s
+        loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": flops,
+                      "of_peak": flops / peak_flops if peak_flops > 0 else None,
+                      "copy_bytes_per_s": sms * tiles * tile_bytes / best_s if tile_bytes else None})
     return loops
 
 

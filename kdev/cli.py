@@ -347,10 +347,12 @@ def bench_cmd(
                         f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
             if not json_out:
                 report.show(report.table(
-                    "the flash kernel's tensor loops alone, one CTA per SM (kernels/ceilings.cu)",
-                    ["loop", "warps/SM", "mma/warp/tile", "TFLOP/s", "of peak"],
+                    "the flash kernel's loop piece by piece, one CTA per SM (kernels/ceilings.cu)",
+                    ["loop", "warps/SM", "mma/warp/tile", "TFLOP/s", "of peak", "copied GB/s"],
                     [[r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], f"{r['flops'] / 1e12:.0f}",
-                      f"{100 * r['of_peak']:.0f} %"] for r in c["inner_loops"]], {"left": ("loop",)}))
+                      f"{100 * r['of_peak']:.0f} %",
+                      f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
+                     for r in c["inner_loops"]], {"left": ("loop",)}))
             if not sweep and not shape:
                 if json_out:
                     report.emit_json({"ceilings": c, "gpu": ident})

@@ -69,6 +69,9 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 //   +sync    one block barrier per tile;
 //   +gather  the next tile copied from global memory by cp.async into the other buffer (contiguous rows,
 //            no page table), waited for before the barrier: the kernel's double buffer;
+//   +bulk    the same copy as 32 bulk copies (cp.async.bulk, one row each, issued by one warp) that complete
+//            on an mbarrier per buffer: the copy engine instead of 2,304 16-byte cp.async per tile;
+//   gather only: the copy and the barrier with no tensor work: the rate at which L2 feeds the SMs;
 //   regs     the S loop's mma on register operands only (no ldmatrix), accumulating across tiles: the issue
 //            rate of 4 chains per warp at this occupancy;
 //   Q by ldmatrix: S reads Q's A fragment by ldmatrix every k-step instead of holding Q in registers.
@@ -87,7 +90,7 @@ constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
 constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 32 lanes x float4
 enum LoopParts {
   kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
-  kPartGather = 64
+  kPartGather = 64, kPartBulk = 128
 };
 
 __device__ __forceinline__ void loop_ldsm_x4(uint32_t (&r)[4], unsigned a) {
@@ -120,13 +123,22 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr bool kRegs = kParts == kPartRegs, kDoS = (kParts & kPartS) != 0 || kRegs;
   constexpr bool kDoPV = (kParts & kPartPV) != 0, kQShared = (kParts & kPartQShared) != 0;
   constexpr bool kXchg = (kParts & kPartXchg) != 0, kSoftmax = (kParts & kPartSoftmax) != 0;
-  constexpr bool kGather = (kParts & kPartGather) != 0, kSync = (kParts & kPartSync) != 0 || kGather;
+  constexpr bool kBulk = (kParts & kPartBulk) != 0, kGather = (kParts & kPartGather) != 0 || kBulk;
+  constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
   extern __shared__ __align__(16) unsigned char loop_smem[];
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // two 32-token tiles, like the flash kernel
   float4* xchg = reinterpret_cast<float4*>(loop_smem + 2 * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
+  const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + 2 * kLoopTileBytes + kLoopXchgBytes));
   for (int i = threadIdx.x; i < 2 * kLoopTileTokens * kLoopStride; i += blockDim.x)
     kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
+  if (kBulk && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // the bulk copies write through the async proxy what the generic proxy wrote above
+  if constexpr (kBulk) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8;
   const int part = warp / 4;  // which dims (S) and value columns (PV) this warp's loads cover
@@ -151,6 +163,21 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     const char* tile_src = reinterpret_cast<const char*>(src) +
                            (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
     const unsigned dst = base + (t & 1) * kLoopTileBytes;
+    if constexpr (kBulk) {
+      if (warp == 0) {
+        const unsigned bar = full + (t & 1) * 8;
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                       "r"(kLoopTileTokens * kLoopRowBytes) : "memory");
+        __syncwarp();
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                dst + lane * kLoopStride * 2),
+            "l"(tile_src + (size_t)lane * kLoopRowBytes), "r"(kLoopRowBytes), "r"(bar)
+            : "memory");
+      }
+      return;
+    }
 #pragma unroll
     for (int r = warp; r < kLoopTileTokens; r += kWarpsPerCta)
 #pragma unroll
@@ -163,7 +190,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t & 1) * kLoopTileBytes, other = base + ((t & 1) ^ 1) * kLoopTileBytes;
-    if constexpr (kGather) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    if constexpr (kBulk) {
+      asm volatile(
+          "{\n .reg .pred done;\n wait_%=:\n"
+          " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+          " @!done bra wait_%=;\n}\n" ::"r"(full + (t & 1) * 8),
+          "r"((t >> 1) & 1)
+          : "memory");
+    } else if constexpr (kGather) {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
     if constexpr (kSync) __syncthreads();
     if constexpr (kGather) {
       if (t + 1 < tiles) gather(t + 1);
@@ -277,13 +313,14 @@ struct InnerLoop {
   void (*kernel)(int, const __nv_bfloat16*, int, float*);
   int warps;         // per CTA, one CTA per SM
   int mma_per_tile;  // per warp
-  bool gathers;      // reads `src`
+  bool gathers;      // reads `src`: 32 rows of 1,152 B per CTA per tile
 };
 
 template <int W, int KS, int OT, int P>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P>, W,
-          ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0), (P & kPartGather) != 0};
+          ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
+          (P & (kPartGather | kPartBulk)) != 0};
 }
 
 constexpr int kLadder = kPartS | kPartPV;
@@ -296,7 +333,11 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax>("S+PV 8w +xchg +softmax"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync>("S+PV 8w +xchg +softmax +sync"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 8w +xchg +softmax +gather"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartBulk>("S+PV 8w +xchg +softmax +bulk"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
+    inner_loop<8, 18, 32, kLadder | kPartBulk>("S+PV 8w +bulk"),
+    inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
+    inner_loop<8, 18, 32, kPartBulk>("bulk only 8w"),
     inner_loop<8, 18, 32, kLadder | kPartQShared>("S+PV 8w, Q by ldmatrix"),
     inner_loop<16, 9, 16, kPartRegs>("regs 16w"),
     inner_loop<16, 9, 16, kLadder | kPartQShared>("S+PV 16w, Q by ldmatrix"),
@@ -313,6 +354,10 @@ int kdtree_bench_loop_count(void) { return kNumInnerLoops; }
 const char* kdtree_bench_loop_name(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].name : nullptr; }
 int kdtree_bench_loop_warps(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].warps : 0; }
 int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].mma_per_tile : 0; }
+// Bytes each CTA copies from global memory per tile (0: the loop works on shared memory only).
+int kdtree_bench_loop_tile_bytes(int i) {
+  return i >= 0 && i < kNumInnerLoops && kInnerLoops[i].gathers ? kLoopTileTokens * kLoopRowBytes : 0;
+}
 
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
@@ -330,7 +375,8 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
       cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return 2;
   int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
-  if (smem < (int)(2 * kLoopTileBytes + kLoopXchgBytes)) smem = 2 * kLoopTileBytes + kLoopXchgBytes;
+  constexpr int kNeeded = 2 * kLoopTileBytes + kLoopXchgBytes + 16;  // tiles, S exchange, two mbarriers
+  if (smem < kNeeded) smem = kNeeded;
   if (smem > opt_in) return 1;
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
   const int src_tiles = loop.gathers ? (int)(src_bytes / tile_src_bytes) : 1;

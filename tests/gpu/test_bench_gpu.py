@@ -58,12 +58,16 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
     names = [r["loop"] for r in loops]
     assert len(names) == len(set(names)) >= 4
     for r in loops:
-        assert r["flops"] > 1e12 and r["mma_per_warp_tile"] > 0 and r["warps_per_sm"] in (8, 16), r
+        assert r["warps_per_sm"] in (8, 16), r
+        if r["mma_per_warp_tile"]:
+            assert r["flops"] > 1e12, r
+        else:  # a copy-only loop
+            assert r["flops"] == 0 and r["copy_bytes_per_s"] > 1e11, r
         assert r["of_peak"] is None  # no peak given, no fraction invented
     # an inner loop is the peak microbenchmark's work with less parallelism: it cannot beat it by more than noise
     c = bench.measure_ceilings(lib, device)
     for r in c["inner_loops"]:
-        assert 0.0 < r["of_peak"] <= 1.05, r
+        assert 0.0 <= r["of_peak"] <= 1.05, r
     L = lib.lib
     sink = torch.zeros(512, device=device)
     gathers = names.index(next(n for n in names if "gather" in n))
