@@ -538,13 +538,20 @@ def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
                                      ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
             e.record()
             e.synchronize()
+            if st == 3:  # its buffers do not fit this GPU's shared memory
+                break
             if st != 0:
                 raise RuntimeError(f"kdtree_bench_loop({name}): status {st}")
             best_s = min(best_s, s.elapsed_time(e) / 1e3)
+        if best_s == float("inf"):
+            loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": None,
+                          "of_peak": None, "copy_bytes_per_s": None, "fits": False})
+            continue
         flops = sms * warps * tiles * mma * 4096.0 / best_s
         loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": flops,
                       "of_peak": flops / peak_flops if peak_flops > 0 else None,
-                      "copy_bytes_per_s": sms * tiles * tile_bytes / best_s if tile_bytes else None})
+                      "copy_bytes_per_s": sms * tiles * tile_bytes / best_s if tile_bytes else None,
+                      "fits": True})
     return loops
 
 

@@ -352,6 +352,7 @@ def bench_cmd(
                     [[r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], f"{r['flops'] / 1e12:.0f}",
                       f"{100 * r['of_peak']:.0f} %",
                       f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
+                     if r["fits"] else [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], "does not fit", "", ""]
                      for r in c["inner_loops"]], {"left": ("loop",)}))
             if not sweep and not shape:
                 if json_out:

@@ -117,7 +117,7 @@ __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
 
 // kKSteps: S k-steps per warp (its share of the 576 dims / 16); kOTiles: 8-column n-tiles of O per warp.
 // `src` holds `src_tiles` contiguous 32-token tiles of 576-dim bf16 rows (read only with kPartGather).
-template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts>
+template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts, int kStages>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     inner_loop_kernel(int tiles, const __nv_bfloat16* src, int src_tiles, float* sink) {
   constexpr bool kRegs = kParts == kPartRegs, kDoS = (kParts & kPartS) != 0 || kRegs;
@@ -126,11 +126,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr bool kBulk = (kParts & kPartBulk) != 0, kGather = (kParts & kPartGather) != 0 || kBulk;
   constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
+  static_assert(kStages >= 2 && (!kBulk || kStages == 2), "bulk copies use two buffers");
   extern __shared__ __align__(16) unsigned char loop_smem[];
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // two 32-token tiles, like the flash kernel
-  float4* xchg = reinterpret_cast<float4*>(loop_smem + 2 * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
-  const unsigned full = static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + 2 * kLoopTileBytes + kLoopXchgBytes));
-  for (int i = threadIdx.x; i < 2 * kLoopTileTokens * kLoopStride; i += blockDim.x)
+  float4* xchg = reinterpret_cast<float4*>(loop_smem + kStages * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
+  const unsigned full =
+      static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + kStages * kLoopTileBytes + kLoopXchgBytes));
+  for (int i = threadIdx.x; i < kStages * kLoopTileTokens * kLoopStride; i += blockDim.x)
     kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
   if (kBulk && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
@@ -159,10 +161,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
   float sacc[4][4] = {};
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, total = 0.f;
-  auto gather = [&](int t) {  // tile t of this CTA's stream into buffer t & 1: warp w copies rows w, w+8, ..
+  auto gather = [&](int t) {  // tile t of this CTA's stream into buffer t % kStages: warp w copies rows w, w+8, ..
     const char* tile_src = reinterpret_cast<const char*>(src) +
                            (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
-    const unsigned dst = base + (t & 1) * kLoopTileBytes;
+    const unsigned dst = base + (t % kStages) * kLoopTileBytes;
     if constexpr (kBulk) {
       if (warp == 0) {
         const unsigned bar = full + (t & 1) * 8;
@@ -186,10 +188,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
                      "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
     asm volatile("cp.async.commit_group;\n" ::);
   };
-  if constexpr (kGather) gather(0);
+  if constexpr (kGather) {
+#pragma unroll
+    for (int st = 0; st + 1 < kStages; ++st) {
+      if (st < tiles) gather(st);
+      else asm volatile("cp.async.commit_group;\n" ::);
+    }
+  }
 #pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
   for (int t = 0; t < tiles; ++t) {
-    const unsigned tile = base + (t & 1) * kLoopTileBytes, other = base + ((t & 1) ^ 1) * kLoopTileBytes;
+    const unsigned tile = base + (t % kStages) * kLoopTileBytes, other = base + ((t + 1) % kStages) * kLoopTileBytes;
     if constexpr (kBulk) {
       asm volatile(
           "{\n .reg .pred done;\n wait_%=:\n"
@@ -198,11 +206,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
           "r"((t >> 1) & 1)
           : "memory");
     } else if constexpr (kGather) {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // tile t landed
     }
     if constexpr (kSync) __syncthreads();
     if constexpr (kGather) {
-      if (t + 1 < tiles) gather(t + 1);
+      // into the buffer of tile t - 1, which every warp has left (the barrier above); an empty group past the
+      // end keeps wait_group's count of groups in flight right
+      if (t + kStages - 1 < tiles) gather(t + kStages - 1);
+      else if constexpr (!kBulk) asm volatile("cp.async.commit_group;\n" ::);
     }
     uint32_t pf[2][4];
     if constexpr (kDoS) {
@@ -314,13 +325,14 @@ struct InnerLoop {
   int warps;         // per CTA, one CTA per SM
   int mma_per_tile;  // per warp
   bool gathers;      // reads `src`: 32 rows of 1,152 B per CTA per tile
+  int smem_bytes;    // the tile buffers, the S exchange and two mbarriers
 };
 
-template <int W, int KS, int OT, int P>
+template <int W, int KS, int OT, int P, int S = 2>
 constexpr InnerLoop inner_loop(const char* name) {
-  return {name, inner_loop_kernel<W, KS, OT, P>, W,
+  return {name, inner_loop_kernel<W, KS, OT, P, S>, W,
           ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
-          (P & (kPartGather | kPartBulk)) != 0};
+          (P & (kPartGather | kPartBulk)) != 0, (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
 }
 
 constexpr int kLadder = kPartS | kPartPV;
@@ -335,8 +347,11 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 8w +xchg +softmax +gather"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartBulk>("S+PV 8w +xchg +softmax +bulk"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
-    inner_loop<8, 18, 32, kLadder | kPartBulk>("S+PV 8w +bulk"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
+    inner_loop<8, 18, 32, kPartGather, 3>("gather only 8w, 3 stages"),
+    inner_loop<8, 18, 32, kPartGather, 4>("gather only 8w, 4 stages"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather, 3>("S+PV 8w +xchg +softmax +gather, 3 stages"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather, 4>("S+PV 8w +xchg +softmax +gather, 4 stages"),
     inner_loop<8, 18, 32, kPartBulk>("bulk only 8w"),
     inner_loop<8, 18, 32, kLadder | kPartQShared>("S+PV 8w, Q by ldmatrix"),
     inner_loop<16, 9, 16, kPartRegs>("regs 16w"),
@@ -361,7 +376,8 @@ int kdtree_bench_loop_tile_bytes(int i) {
 
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
-// must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error.
+// must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error,
+// 3 the loop's buffers do not fit this GPU's shared memory per block (the 3- and 4-stage loops on sm_120).
 // FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       cudaStream_t stream) {
@@ -375,9 +391,8 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
       cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return 2;
   int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
-  constexpr int kNeeded = 2 * kLoopTileBytes + kLoopXchgBytes + 16;  // tiles, S exchange, two mbarriers
-  if (smem < kNeeded) smem = kNeeded;
-  if (smem > opt_in) return 1;
+  if (smem < loop.smem_bytes) smem = loop.smem_bytes;
+  if (smem > opt_in) return 3;  // more stages than this GPU's shared memory holds
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
   const int src_tiles = loop.gathers ? (int)(src_bytes / tile_src_bytes) : 1;
   loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,
