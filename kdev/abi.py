@@ -21,11 +21,7 @@ from kdev.config import LATENT_DIM, QK_DIM
 from kdev.errors import EnvironmentMissing
 
 STATUS = {0: "ok", 1: "invalid argument", 2: "CUDA error", 3: "workspace missing or too small"}
-VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash",
-                  "flash-2stage": "kdtree_verify_attn_flash"}
-# flash-2stage: the flash kernel with the KV ring depth forced to sm_120's two stages, so that the configuration
-# the deployment runs is verified and timed on a GPU (sm_90) where the kernel would otherwise pick four
-FORCED_FLASH_STAGES = {"flash-2stage": 2}
+VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash"}
 
 
 class VerifyAttnParams(ctypes.Structure):
@@ -163,11 +159,6 @@ class Library:
         L.kdtree_verify_attn_workspace_size.restype = ctypes.c_int
         L.kdtree_verify_attn_flash_splits.argtypes = [P, ctypes.POINTER(ctypes.c_int)]
         L.kdtree_verify_attn_flash_splits.restype = ctypes.c_int
-        if hasattr(L, "kdtree_verify_attn_flash_force_stages"):  # libraries built before the ring depth lack both
-            L.kdtree_verify_attn_flash_stages.argtypes = [ctypes.POINTER(ctypes.c_int)]
-            L.kdtree_verify_attn_flash_stages.restype = ctypes.c_int
-            L.kdtree_verify_attn_flash_force_stages.argtypes = [ctypes.c_int]
-            L.kdtree_verify_attn_flash_force_stages.restype = ctypes.c_int
         if L.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
             raise EnvironmentMissing(f"{self.path}: VerifyAttnParams is {L.kdtree_params_size()} B in the library, "
                                      f"{ctypes.sizeof(VerifyAttnParams)} B here: rebuild with 'kdev build'")
@@ -221,14 +212,6 @@ class Library:
         self._status("kdtree_verify_attn_workspace_size", self.lib.kdtree_verify_attn_workspace_size(ctypes.byref(p), ctypes.byref(n)))
         return n.value
 
-    def flash_stages(self) -> int:
-        """The KV ring depth the flash kernel picks on the current GPU."""
-        if not hasattr(self.lib, "kdtree_verify_attn_flash_stages"):
-            return 2  # built before the depth was chosen per GPU: always two
-        n = ctypes.c_int(0)
-        self._status("kdtree_verify_attn_flash_stages", self.lib.kdtree_verify_attn_flash_stages(ctypes.byref(n)))
-        return n.value
-
     def flash_splits(self, p: VerifyAttnParams) -> int:
         n = ctypes.c_int(0)
         self._status("kdtree_verify_attn_flash_splits", self.lib.kdtree_verify_attn_flash_splits(ctypes.byref(p), ctypes.byref(n)))
@@ -241,19 +224,7 @@ class Library:
             raise AbiArgumentError(f"unknown verify kernel {kernel!r} (have {', '.join(VERIFY_KERNELS)})")
         fn = VERIFY_KERNELS[kernel]
         s = stream or torch.cuda.current_stream()
-        stages = FORCED_FLASH_STAGES.get(kernel)
-        if stages is None:
-            self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
-            return
-        # the depth is picked on the host at launch: forcing it around the call affects this launch only
-        force = getattr(self.lib, "kdtree_verify_attn_flash_force_stages", None)
-        if force is None:
-            raise AbiArgumentError(f"{self.path} has no {kernel!r} (built before the flash KV ring depth could be forced)")
-        self._status("kdtree_verify_attn_flash_force_stages", force(stages))
-        try:
-            self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
-        finally:
-            force(0)
+        self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
     def alloc_outputs(self, x: VerifyInputs):
         """out and lse poisoned with NaN, so an unwritten element cannot pass."""
@@ -263,7 +234,7 @@ class Library:
         return out, lse
 
     def alloc_workspace(self, kernel: str, p: VerifyAttnParams, device) -> torch.Tensor | None:
-        if VERIFY_KERNELS.get(kernel) != VERIFY_KERNELS["flash"]:
+        if kernel != "flash":
             return None
         n = self.workspace_size(p)
         if n == 0:

@@ -35,7 +35,7 @@ from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _R
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
-ATTENTION_BACKENDS = ("flash", "flash-2stage", "naive", "torch-eager", "torch-sdpa")
+ATTENTION_BACKENDS = ("flash", "naive", "torch-eager", "torch-sdpa")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 # Ceilings measured on this project's H200 (mma.sync bf16 -> fp32; device-to-device copy, read + write).
@@ -268,7 +268,7 @@ class AbiRunner(Runner):
         self.out, self.lse = lib.alloc_outputs(x)
         self.p = lib.params(x, self.out, self.lse)
         self.ws = lib.alloc_workspace(kernel, self.p, x.q.device)
-        self.splits = lib.flash_splits(self.p) if kernel.startswith("flash") else None
+        self.splits = lib.flash_splits(self.p) if kernel == "flash" else None
 
     def run(self) -> None:
         self.lib.call(self.kernel, self.p)
@@ -356,14 +356,8 @@ def load_peer(spec: str):
     return f
 
 
-def abi_kernels() -> tuple[str, ...]:
-    from kdev import abi
-
-    return tuple(abi.VERIFY_KERNELS)
-
-
 def make_runner(name: str, x, lib, peers: dict) -> Runner:
-    if name in abi_kernels():
+    if name in ("naive", "flash"):
         return AbiRunner(lib, name, x)
     if name == "torch-eager":
         return TorchEagerRunner(x)

@@ -115,22 +115,6 @@ int current_sm_count(int* sm_count) {
   return KDTREE_OK;
 }
 
-// 0: the flash kernel picks its KV ring depth from the GPU; 2 or 4: forced (kdtree_verify_attn_flash_force_stages).
-int g_forced_flash_stages = 0;
-
-int current_flash_stages(int* stages) {
-  int dev = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
-  err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err != cudaSuccess) return cuda_fail(err, "cudaDeviceGetAttribute");
-  *stages = kdtree::flash_kv_stages(optin, g_forced_flash_stages);
-  if (*stages == 0)
-    return fail(KDTREE_ERR_INVALID, "%d KV stages were forced but do not fit this GPU's %d B of shared memory per block",
-                g_forced_flash_stages, optin);
-  return KDTREE_OK;
-}
-
 }  // namespace
 
 extern "C" {
@@ -172,30 +156,12 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
   return KDTREE_OK;
 }
 
-// The flash kernel's KV ring depth: 0 = pick from the GPU (4 where the shared memory holds it, else 2), or force
-// 2 or 4 for every later launch in this process (to test or time sm_120's depth on a bigger GPU). A forced
-// depth that the GPU cannot hold fails at launch with KDTREE_ERR_INVALID.
-int kdtree_verify_attn_flash_force_stages(int stages) {
-  g_last_error[0] = '\0';
-  if (stages != 0 && stages != 2 && stages != 4) return fail(KDTREE_ERR_INVALID, "stages must be 0, 2 or 4, not %d", stages);
-  g_forced_flash_stages = stages;
-  return KDTREE_OK;
-}
-
-// The KV ring depth the next flash launch on the current GPU will use.
-int kdtree_verify_attn_flash_stages(int* stages) {
-  g_last_error[0] = '\0';
-  if (stages == nullptr) return fail(KDTREE_ERR_INVALID, "stages is NULL");
-  return current_flash_stages(stages);
-}
-
 int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = current_sm_count(&sm_count)) return st;
-  kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(*p, sm_count);
-  if (int st = current_flash_stages(&plan.kv_stages)) return st;
+  const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(*p, sm_count);
   if (plan.workspace_bytes > 0) {
     if (p->workspace == nullptr)
       return fail(KDTREE_ERR_WORKSPACE, "workspace is NULL but %zu bytes are needed (%d KV splits)",

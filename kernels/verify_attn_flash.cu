@@ -7,9 +7,9 @@
 // How:
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
-// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM. Warp w = (row group g = w%4, half c = w/4).
-//   The same code runs on sm_90 and sm_120; only the pipeline depth differs: 2 KV stages (91,136 B of
-//   dynamic shared memory, inside sm_120's 101,376 B) or 4 (165,888 B) where the GPU has the memory.
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (91,136 B of dynamic shared memory: fits
+//   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
+//   half c = w/4).
 // * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over dims [288c, 288c+288) with Q held
 //   in registers (72 per thread, loaded once) and K read by ldmatrix; the two half-sums meet in shared
 //   memory. Splitting by dims rather than tokens keeps Q at 72 registers instead of 144.
@@ -22,7 +22,7 @@
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and value columns [256c, 256c+256): 128 fp32
 //   accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512 dims).
 // * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
-//   into a ring of 2 or 4 buffers: tiles i+1 .. i+stages-1 load while tile i computes.
+//   into a double buffer: tile i+1 loads while tile i computes.
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
 //   combine kernel merges them weighted by exp(lse_s - lse). The split count depends only on the shapes,
@@ -425,18 +425,16 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   return plan;
 }
 
-int flash_kv_stages(int smem_optin_bytes, int forced) {
-  if (forced != 0) return forced == kStagesDeep && smem_optin_bytes < (int)sizeof(SharedStorage<kStagesDeep>) ? 0 : forced;
-  // the deep pipeline where this GPU's shared memory per block holds it (sm_90), two stages otherwise (sm_120)
-  return smem_optin_bytes >= (int)sizeof(SharedStorage<kStagesDeep>) ? kStagesDeep : kStagesSm120;
-}
-
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
-  const bool deep = plan.kv_stages == kStagesDeep;
-  if (!deep && plan.kv_stages != kStagesSm120) return cudaErrorInvalidValue;
+  // the deep pipeline where this GPU's shared memory per block holds it (sm_90), two stages otherwise (sm_120)
+  int dev = 0, opt_in = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return err;
+  const bool deep = opt_in >= (int)sizeof(SharedStorage<kStagesDeep>);
   const int smem = deep ? (int)sizeof(SharedStorage<kStagesDeep>) : (int)sizeof(SharedStorage<kStagesSm120>);
   auto kernel = deep ? verify_attn_flash_kernel_deep : verify_attn_flash_kernel;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
   kernel<<<grid, kThreads, smem, stream>>>(p, plan.num_splits);

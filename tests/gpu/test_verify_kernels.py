@@ -11,7 +11,7 @@ from kdev import abi, config, vectors
 from kdev.compare import compare
 
 pytestmark = pytest.mark.gpu
-KERNELS = ["naive", "flash", "flash-2stage"]  # flash-2stage: sm_120's KV ring depth, whatever this GPU picks
+KERNELS = ["naive", "flash"]
 
 
 def _check(lib, kernel, tensors, scale, tol, label):
@@ -79,28 +79,6 @@ def test_flash_split_kv_long_prefix_and_determinism(lib):
     for _ in range(3):
         again, _ = lib.run("flash", x)
         assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
-    # the ring depth changes when tiles arrive, never the order of the arithmetic: the same bits at 2 stages
-    two, _ = lib.run("flash-2stage", x)
-    assert torch.equal(two.view(torch.int16), first.view(torch.int16)), "2-stage and automatic flash differ"
-
-
-def test_flash_ring_depth_follows_shared_memory_and_can_be_forced(lib):
-    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    stages = lib.flash_stages()
-    assert stages == (4 if optin >= 165_888 else 2), (stages, optin)
-    force = lib.lib.kdtree_verify_attn_flash_force_stages
-    assert force(3) == 1 and "stages must be 0, 2 or 4" in lib.last_error()
-    try:
-        assert force(2) == 0 and lib.flash_stages() == 2
-        assert force(4) == 0
-        if optin < 165_888:  # the deep ring cannot be forced where it does not fit: a status, no launch
-            with pytest.raises(abi.KernelError, match="do not fit"):
-                lib.flash_stages()
-        else:
-            assert lib.flash_stages() == 4
-    finally:
-        force(0)
-    assert lib.flash_stages() == stages
 
 
 def test_limits_t1025_and_h64(lib):

@@ -66,12 +66,8 @@ cudaError_t launch_verify_attn_naive(const VerifyAttnParams& p, cudaStream_t str
 struct FlashPlan {
   int num_m_tiles;  // ceil(max_qlen * num_heads / 64)
   int num_splits;   // KV splits per (request, row tile)
-  int kv_stages;    // KV tiles in the cp.async ring: 4 where shared memory allows (sm_90), 2 on sm_120
   size_t workspace_bytes;
 };
-// The ring depth for a GPU with this much opt-in shared memory per block; `forced` (2 or 4, 0 = automatic)
-// overrides it, and 0 comes back when the forced depth does not fit.
-int flash_kv_stages(int smem_optin_bytes, int forced);
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count);
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream);
 }  // namespace kdtree
