@@ -54,28 +54,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
-// kStages KV buffers: tiles it+1 .. it+kStages-1 load while tile it computes. Two fit sm_120; where the GPU
-// has the shared memory (sm_90: 227 KB per block) four run, because one tile in flight per SM cannot keep up:
-// the copy alone moves ~31 GB/s per SM with two buffers, about what the tensor loop consumes (`kdev bench
-// --ceilings`, NOTES.md), so with two buffers every tile waits for its data.
-template <int kStages>
 struct __align__(16) SharedStorage {
-  __nv_bfloat16 kv[kStages][kBlockN][kKvStride];  // 37,376 B per stage
-  float4 s_part[kWarps][4][32];                   // 16,384 B: each warp's half-dim partial scores, fragment order
+  __nv_bfloat16 kv[2][kBlockN][kKvStride];  // 74,752 B: double-buffered KV tile
+  float4 s_part[kWarps][4][32];             // 16,384 B: each warp's half-dim partial scores, fragment order
 };
-constexpr int kStagesSm120 = 2, kStagesDeep = 4;
 
-// sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: its configuration must fit it.
-static_assert(sizeof(SharedStorage<kStagesSm120>) <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
-static_assert(sizeof(SharedStorage<kStagesDeep>) <= 232448, "flash verify tile exceeds sm_90's shared memory per block");
+// sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
+static_assert(sizeof(SharedStorage) <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>  // wait until at most kPending of this thread's committed groups are in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ldmatrix takes 32-bit shared-window addresses: cheaper in registers than generic pointers.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], unsigned a) {
@@ -101,9 +93,9 @@ __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* ptr, bool val
   return valid ? *reinterpret_cast<const uint32_t*>(ptr) : 0u;
 }
 
-template <int kStages>
-__device__ __forceinline__ void verify_attn_flash_cta(const VerifyAttnParams& p, int num_splits, unsigned char* smem_raw) {
-  SharedStorage<kStages>& sm = *reinterpret_cast<SharedStorage<kStages>*>(smem_raw);
+__global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAttnParams p, int num_splits) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int H = p.num_heads;
@@ -144,12 +136,7 @@ __device__ __forceinline__ void verify_attn_flash_cta(const VerifyAttnParams& p,
     }
     cp_async_commit();
   };
-  // the first kStages - 1 tiles; past the end an empty group, so that wait_group's count stays right
-#pragma unroll
-  for (int st = 0; st + 1 < kStages; ++st) {
-    if (st < num_tiles) load_tile(st, kv_begin + st * kBlockN);
-    else cp_async_commit();
-  }
+  if (num_tiles > 0) load_tile(0, kv_begin);
 
   // Q fragments for rows 16g + gid (+8), dims [288c, 288c + 288): loaded once, kept in registers.
   uint32_t qf[kKSteps][4];
@@ -182,13 +169,11 @@ __device__ __forceinline__ void verify_attn_flash_cta(const VerifyAttnParams& p,
   const unsigned v_lane_off = (((mi % 2) * 8 + lane % 8) * kKvStride + c * kVHalf + (mi / 2) * 8) * 2;
 
   for (int it = 0; it < num_tiles; ++it) {
-    const int buf = it % kStages;
+    const int buf = it & 1;
     const int start = kv_begin + it * kBlockN;
-    cp_async_wait<kStages - 2>();
+    cp_async_wait_all();
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
-    // tile it+kStages-1 goes into the buffer of tile it-1
-    if (it + kStages - 1 < num_tiles) load_tile((it + kStages - 1) % kStages, start + (kStages - 1) * kBlockN);
-    else cp_async_commit();
+    if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
 
     // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T in one pass (four independent accumulator
     // chains: measured the same speed as two passes of two, see NOTES.md). The partner warp (same rows,
@@ -348,16 +333,6 @@ __device__ __forceinline__ void verify_attn_flash_cta(const VerifyAttnParams& p,
   }
 }
 
-// One kernel per pipeline depth, each with a plain name (kdev sass, Nsight Compute's --kernel-name).
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAttnParams p, int num_splits) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  verify_attn_flash_cta<kStagesSm120>(p, num_splits, smem_raw);
-}
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel_deep(VerifyAttnParams p, int num_splits) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  verify_attn_flash_cta<kStagesDeep>(p, num_splits, smem_raw);
-}
-
 // Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s, splits in order.
 constexpr int kCombineThreads = 128;
 
@@ -426,18 +401,11 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
-  // the deep pipeline where this GPU's shared memory per block holds it (sm_90), two stages otherwise (sm_120)
-  int dev = 0, opt_in = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err != cudaSuccess) return err;
-  const bool deep = opt_in >= (int)sizeof(SharedStorage<kStagesDeep>);
-  const int smem = deep ? (int)sizeof(SharedStorage<kStagesDeep>) : (int)sizeof(SharedStorage<kStagesSm120>);
-  auto kernel = deep ? verify_attn_flash_kernel_deep : verify_attn_flash_kernel;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const int smem = (int)sizeof(SharedStorage);
+  cudaError_t err = cudaFuncSetAttribute(verify_attn_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  kernel<<<grid, kThreads, smem, stream>>>(p, plan.num_splits);
+  verify_attn_flash_kernel<<<grid, kThreads, smem, stream>>>(p, plan.num_splits);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   verify_attn_combine_kernel<<<(unsigned)((size_t)p.total_q * p.num_heads), kCombineThreads, 0, stream>>>(
