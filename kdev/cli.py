@@ -345,14 +345,14 @@ def bench_cmd(
             path = bench.save_ceilings(ident, c)
             report.info(f"ceilings on {ident['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
                         f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
-            if not json_out:
+            if not json_out and c["inner_loops"]:
                 report.show(report.table(
                     "the flash kernel's loop piece by piece, one CTA per SM (kernels/ceilings.cu)",
                     ["loop", "warps/SM", "mma/warp/tile", "TFLOP/s", "of peak", "copied GB/s"],
                     [[r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], f"{r['flops'] / 1e12:.0f}",
                       f"{100 * r['of_peak']:.0f} %",
                       f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
-                     if r["fits"] else [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], "does not fit", "", ""]
+                     if r["runs"] else [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], "not on this GPU", "", ""]
                      for r in c["inner_loops"]], {"left": ("loop",)}))
             if not sweep and not shape:
                 if json_out:

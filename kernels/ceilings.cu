@@ -67,8 +67,9 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 //   +xchg    the two dim halves of S meet in shared memory at a 64-thread named barrier (as in the kernel);
 //   +softmax row max over the quad, exp2 against the running max, row sums, P packed from the exponentials;
 //   +sync    one block barrier per tile;
-//   +gather  the next tile copied from global memory by cp.async into the other buffer (contiguous rows,
-//            no page table), waited for before the barrier: the kernel's double buffer;
+//   +gather  the next tile copied from global memory by cp.async into a ring of buffers (contiguous rows,
+//            no page table), waited for before the barrier: 2 stages is the kernel's double buffer, 3 and 4
+//            (sm_90 only: they do not fit sm_120's 99 KB) put more tiles in flight;
 //   +bulk    the same copy as 32 bulk copies (cp.async.bulk, one row each, issued by one warp) that complete
 //            on an mbarrier per buffer: the copy engine instead of 2,304 16-byte cp.async per tile;
 //   gather only: the copy and the barrier with no tensor work: the rate at which L2 feeds the SMs;
@@ -82,6 +83,14 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 #include <cuda_bf16.h>
 
 namespace {
+
+// Bulk copies, mbarrier transaction counts and the async-proxy fence are sm_90+; on older archs the bulk
+// loops are built without their copies and kdtree_bench_loop refuses them (status 3).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define KDTREE_LOOP_BULK 1
+#else
+#define KDTREE_LOOP_BULK 0
+#endif
 
 constexpr int kLoopTileTokens = 32;
 constexpr int kLoopRowBytes = 576 * 2;
@@ -116,7 +125,7 @@ __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
 }
 
 // kKSteps: S k-steps per warp (its share of the 576 dims / 16); kOTiles: 8-column n-tiles of O per warp.
-// `src` holds `src_tiles` contiguous 32-token tiles of 576-dim bf16 rows (read only with kPartGather).
+// `src` holds `src_tiles` contiguous 32-token tiles of 576-dim bf16 rows (read only by the gathering loops).
 template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts, int kStages>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     inner_loop_kernel(int tiles, const __nv_bfloat16* src, int src_tiles, float* sink) {
@@ -128,12 +137,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
   static_assert(kStages >= 2 && (!kBulk || kStages == 2), "bulk copies use two buffers");
   extern __shared__ __align__(16) unsigned char loop_smem[];
-  __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // two 32-token tiles, like the flash kernel
+  __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // kStages 32-token tiles, as in the flash kernel
   float4* xchg = reinterpret_cast<float4*>(loop_smem + kStages * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
   const unsigned full =
       static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + kStages * kLoopTileBytes + kLoopXchgBytes));
   for (int i = threadIdx.x; i < kStages * kLoopTileTokens * kLoopStride; i += blockDim.x)
     kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
+#if KDTREE_LOOP_BULK
   if (kBulk && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8) : "memory");
@@ -141,6 +151,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   }
   // the bulk copies write through the async proxy what the generic proxy wrote above
   if constexpr (kBulk) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8;
   const int part = warp / 4;  // which dims (S) and value columns (PV) this warp's loads cover
@@ -166,6 +177,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
                            (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
     const unsigned dst = base + (t % kStages) * kLoopTileBytes;
     if constexpr (kBulk) {
+#if KDTREE_LOOP_BULK
       if (warp == 0) {
         const unsigned bar = full + (t & 1) * 8;
         if (lane == 0)
@@ -178,6 +190,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
             "l"(tile_src + (size_t)lane * kLoopRowBytes), "r"(kLoopRowBytes), "r"(bar)
             : "memory");
       }
+#endif
       return;
     }
 #pragma unroll
@@ -199,12 +212,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t % kStages) * kLoopTileBytes, other = base + ((t + 1) % kStages) * kLoopTileBytes;
     if constexpr (kBulk) {
+#if KDTREE_LOOP_BULK
       asm volatile(
           "{\n .reg .pred done;\n wait_%=:\n"
           " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
           " @!done bra wait_%=;\n}\n" ::"r"(full + (t & 1) * 8),
           "r"((t >> 1) & 1)
           : "memory");
+#endif
     } else if constexpr (kGather) {
       asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // tile t landed
     }
@@ -325,6 +340,7 @@ struct InnerLoop {
   int warps;         // per CTA, one CTA per SM
   int mma_per_tile;  // per warp
   bool gathers;      // reads `src`: 32 rows of 1,152 B per CTA per tile
+  bool bulk;         // bulk copies: sm_90+
   int smem_bytes;    // the tile buffers, the S exchange and two mbarriers
 };
 
@@ -332,7 +348,8 @@ template <int W, int KS, int OT, int P, int S = 2>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P, S>, W,
           ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
-          (P & (kPartGather | kPartBulk)) != 0, (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
+          (P & (kPartGather | kPartBulk)) != 0, (P & kPartBulk) != 0,
+          (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
 }
 
 constexpr int kLadder = kPartS | kPartPV;
@@ -377,7 +394,8 @@ int kdtree_bench_loop_tile_bytes(int i) {
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
 // must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error,
-// 3 the loop's buffers do not fit this GPU's shared memory per block (the 3- and 4-stage loops on sm_120).
+// 3 this GPU cannot run the loop: its buffers exceed the shared memory per block (the 3- and 4-stage loops
+// on sm_120), or it uses bulk copies and the GPU is older than sm_90.
 // FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       cudaStream_t stream) {
@@ -385,14 +403,15 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
   const InnerLoop& loop = kInnerLoops[i];
   const size_t tile_src_bytes = (size_t)kLoopTileTokens * kLoopRowBytes;
   if (loop.gathers && (src == nullptr || src_bytes < tile_src_bytes)) return 1;
-  int dev = 0, per_sm = 0, opt_in = 0;
+  int dev = 0, per_sm = 0, opt_in = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
     return 2;
   int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
   if (smem < loop.smem_bytes) smem = loop.smem_bytes;
-  if (smem > opt_in) return 3;  // more stages than this GPU's shared memory holds
+  if (smem > opt_in || (loop.bulk && major < 9)) return 3;
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
   const int src_tiles = loop.gathers ? (int)(src_bytes / tile_src_bytes) : 1;
   loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,

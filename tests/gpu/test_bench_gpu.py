@@ -59,8 +59,8 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
     assert len(names) == len(set(names)) >= 4
     for r in loops:
         assert r["warps_per_sm"] in (8, 16), r
-        if not r["fits"]:  # more stages than this GPU's shared memory per block (sm_120: 99 KB)
-            assert "stages" in r["loop"] and r["flops"] is None, r
+        if not r["runs"]:  # more stages than the shared memory per block holds (sm_120), bulk copies before sm_90
+            assert ("stages" in r["loop"] or "bulk" in r["loop"]) and r["flops"] is None, r
             continue
         if r["mma_per_warp_tile"]:
             assert r["flops"] > 1e12, r
@@ -70,7 +70,7 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
     # an inner loop is the peak microbenchmark's work with less parallelism: it cannot beat it by more than noise
     c = bench.measure_ceilings(lib, device)
     for r in c["inner_loops"]:
-        assert not r["fits"] or 0.0 <= r["of_peak"] <= 1.05, r
+        assert not r["runs"] or 0.0 <= r["of_peak"] <= 1.05, r
     L = lib.lib
     sink = torch.zeros(512, device=device)
     gathers = names.index(next(n for n in names if "gather" in n))
