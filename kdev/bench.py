@@ -503,17 +503,20 @@ def measure_ceilings(lib, device) -> dict:
             "inner_loops": measure_inner_loops(lib, device, best)}
 
 
-def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
+def measure_inner_loops(lib, device, peak_flops: float, only: list[str] | None = None) -> list[dict]:
     """The flash kernel's loop at its occupancy, alone and then piece by piece (kernels/ceilings.cu says
     which loops): per loop the best of five launches, as TFLOP/s and as a fraction of the mma.sync peak just
     measured. The first rungs say what a kernel of that shape could reach if everything but its mma and
-    fragment loads were free; each further rung, what one more of the kernel's pieces costs."""
+    fragment loads were free; each further rung, what one more of the kernel's pieces costs. `only`: these
+    rungs by name (BadInput naming the library's rungs for one it lacks)."""
     import ctypes
 
     import torch
 
     L = lib.lib
     if not hasattr(L, "kdtree_bench_loop"):  # a library built before the inner loops existed
+        if only:
+            raise BadInput(f"{lib.path.name} was built before the flash loop ladder: no --loop to run")
         return []
     L.kdtree_bench_loop.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                                     ctypes.c_void_p, ctypes.c_void_p]
@@ -527,9 +530,14 @@ def measure_inner_loops(lib, device, peak_flops: float) -> list[dict]:
     src = torch.randn(8 << 20, device=device).to(torch.bfloat16)
     stream = torch.cuda.current_stream()
     tiles = 2048  # ~2 ms per launch at the flash kernel's tile rate: event resolution is not a factor
+    names = [L.kdtree_bench_loop_name(i).decode() for i in range(L.kdtree_bench_loop_count())]
+    for n in only or []:
+        if n not in names:
+            raise BadInput(f"no loop {n!r} in {lib.path.name}; it has: {', '.join(repr(x) for x in names)}")
     loops = []
-    for i in range(L.kdtree_bench_loop_count()):
-        name = L.kdtree_bench_loop_name(i).decode()
+    for i, name in enumerate(names):
+        if only and name not in only:
+            continue
         warps, mma = L.kdtree_bench_loop_warps(i), L.kdtree_bench_loop_mma_per_tile(i)
         tile_bytes = L.kdtree_bench_loop_tile_bytes(i)
         best_s = float("inf")

@@ -282,6 +282,15 @@ def _worst_rows(results) -> list[list]:
 
 
 # ------------------------------------------------------------------------------------------------ bench
+def _loop_row(r: dict) -> list:
+    if not r["runs"]:
+        return [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], "not on this GPU", "", ""]
+    return [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], f"{r['flops'] / 1e12:.0f}",
+            f"{100 * r['of_peak']:.0f} %" if r["of_peak"] is not None else "-",
+            f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
+
+
+
 @app.command("bench")
 @command
 def bench_cmd(
@@ -291,6 +300,9 @@ def bench_cmd(
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
+    loop: Optional[list[str]] = typer.Option(
+        None, "--loop", help="With --ceilings: time only this rung of the flash loop ladder (repeatable), leave "
+        "the cache alone (for a profiler run on one rung)."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW."),
     normalize_by: Optional[str] = typer.Option(
         None, "--normalize-by", help="Judge each backend's time over this backend's (same shape, same run) "
@@ -311,6 +323,8 @@ def bench_cmd(
 
     if plot_metric not in ("time", "roofline"):
         raise typer.BadParameter("must be time or roofline", param_hint="--plot-metric")
+    if loop and not ceilings:
+        raise typer.BadParameter("needs --ceilings", param_hint="--loop")
     # the baseline and its reference backend are checked before anything is measured
     if normalize_by and not baseline:
         raise typer.BadParameter("needs --baseline", param_hint="--normalize-by")
@@ -341,19 +355,20 @@ def bench_cmd(
             import torch
 
             ident = gpu.current_gpu().to_dict()
-            c = bench.measure_ceilings(lib, torch.device("cuda", torch.cuda.current_device()))
-            path = bench.save_ceilings(ident, c)
-            report.info(f"ceilings on {ident['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
-                        f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
+            device = torch.device("cuda", torch.cuda.current_device())
+            if loop:  # the named rungs only, against the cached peak; the cache is left as it is
+                c = dict(bench.load_ceilings(ident) or {})
+                c["inner_loops"] = bench.measure_inner_loops(lib, device, c.get("flops") or 0.0, only=loop)
+            else:
+                c = bench.measure_ceilings(lib, device)
+                path = bench.save_ceilings(ident, c)
+                report.info(f"ceilings on {ident['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
+                            f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {path})")
             if not json_out and c["inner_loops"]:
                 report.show(report.table(
                     "the flash kernel's loop piece by piece, one CTA per SM (kernels/ceilings.cu)",
                     ["loop", "warps/SM", "mma/warp/tile", "TFLOP/s", "of peak", "copied GB/s"],
-                    [[r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], f"{r['flops'] / 1e12:.0f}",
-                      f"{100 * r['of_peak']:.0f} %",
-                      f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
-                     if r["runs"] else [r["loop"], r["warps_per_sm"], r["mma_per_warp_tile"], "not on this GPU", "", ""]
-                     for r in c["inner_loops"]], {"left": ("loop",)}))
+                    [_loop_row(r) for r in c["inner_loops"]], {"left": ("loop",)}))
             if not sweep and not shape:
                 if json_out:
                     report.emit_json({"ceilings": c, "gpu": ident})

@@ -4,14 +4,17 @@
 # bench. Results go under $OUT (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
-#                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-only]
-#                               [--step-timeout SECONDS]
+#                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
+#                               [--profile-only] [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
-# and the SASS with per-instruction counters (CSV). --profile-only: build and the profiles, nothing else.
+# and the SASS with per-instruction counters (CSV). --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
+# does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections as text
+# only, to stay within the files a round returns): two rungs one piece apart say what that piece costs where.
+# --profile-only: build and the profiles, nothing else.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -20,7 +23,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG=
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -33,6 +36,7 @@ while [ $# -gt 0 ]; do
     --deploy-check) DEPLOY=1; shift ;;
     --deploy-only) DEPLOY=1; ONLY_DEPLOY=1; SKIP_TESTS=1; shift ;;
     --profile) PROFILES+=("$2"); shift 2 ;;
+    --profile-loop) LOOP_PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -94,6 +98,12 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --print-details all > "$OUT/$name.txt" 2>&1
   ncu --import "$rep.ncu-rep" --page raw --csv > "$OUT/$name-raw.csv" 2>&1
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
+done
+for loop in "${LOOP_PROFILES[@]}"; do
+  name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"
+  step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:inner_loop_kernel \
+    --launch-count 1 --log-file "$OUT/$name.log" --print-details all \
+    python3 -m kdev bench --ceilings --loop "$loop"
 done
 if [ "$DEPLOY" = 1 ]; then
   # deploy-check reads git history; a tree copied without it is checked as a snapshot repository in a

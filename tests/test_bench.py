@@ -159,3 +159,8 @@ def test_tree_kernel_sweep_and_backend_validation(write_yaml):
     p = write_yaml("b.yaml", "sweeps:\n  x:\n    backends: [flash, fastest]\n    axes: {batch: [1]}\n")
     with pytest.raises(BadInput, match="unknown backend 'fastest'"):
         bench.load_bench(p)
+
+
+def test_loop_needs_ceilings_before_any_gpu_work():
+    r = CliRunner().invoke(app, ["bench", "--loop", "S+PV 8w"])
+    assert r.exit_code == 2 and "needs --ceilings" in r.stderr and "Traceback" not in r.output

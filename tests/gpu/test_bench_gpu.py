@@ -3,6 +3,7 @@
 import pytest
 
 from kdev import bench
+from kdev.errors import BadInput
 
 pytestmark = pytest.mark.gpu
 
@@ -78,3 +79,8 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
     assert L.kdtree_bench_loop(0, 1, 0, None, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1
     assert L.kdtree_bench_loop(gathers, 1, 1, None, 0, ctypes.c_void_p(sink.data_ptr()), None) == 1  # no source
     assert L.kdtree_bench_loop_name(-1) is None and L.kdtree_bench_loop_warps(len(loops)) == 0
+    # one rung by name (what a profiler run uses), and a name the library lacks answered with the list
+    one = bench.measure_inner_loops(lib, device, 0.0, only=[names[3]])
+    assert [r["loop"] for r in one] == [names[3]] and one[0]["flops"] > 1e12
+    with pytest.raises(BadInput, match="it has: 'regs 8w'"):
+        bench.measure_inner_loops(lib, device, 0.0, only=["no such rung"])
