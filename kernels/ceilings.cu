@@ -70,6 +70,8 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 //   +gather  the next tile copied from global memory by cp.async into a ring of buffers (contiguous rows,
 //            no page table), waited for before the barrier: 2 stages is the kernel's double buffer, 3 and 4
 //            (sm_90 only: they do not fit sm_120's 99 KB) put more tiles in flight;
+//   +half gather  the same copy of only the first 576 B of each row: whether the gather's cost follows its
+//            bytes (contention inside the SM) or the tile (the wait and the barrier around it);
 //   +bulk    the same copy as 32 bulk copies (cp.async.bulk, one row each, issued by one warp) that complete
 //            on an mbarrier per buffer: the copy engine instead of 2,304 16-byte cp.async per tile;
 //   gather only: the copy and the barrier with no tensor work: the rate at which L2 feeds the SMs;
@@ -99,7 +101,7 @@ constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
 constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 32 lanes x float4
 enum LoopParts {
   kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
-  kPartGather = 64, kPartBulk = 128
+  kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256
 };
 
 __device__ __forceinline__ void loop_ldsm_x4(uint32_t (&r)[4], unsigned a) {
@@ -132,7 +134,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr bool kRegs = kParts == kPartRegs, kDoS = (kParts & kPartS) != 0 || kRegs;
   constexpr bool kDoPV = (kParts & kPartPV) != 0, kQShared = (kParts & kPartQShared) != 0;
   constexpr bool kXchg = (kParts & kPartXchg) != 0, kSoftmax = (kParts & kPartSoftmax) != 0;
-  constexpr bool kBulk = (kParts & kPartBulk) != 0, kGather = (kParts & kPartGather) != 0 || kBulk;
+  constexpr bool kBulk = (kParts & kPartBulk) != 0, kHalf = (kParts & kPartHalfGather) != 0;
+  constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf;
+  constexpr int kCopyChunks = (kHalf ? kLoopRowBytes / 2 : kLoopRowBytes) / 16;  // 16-byte chunks per row
   constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
   static_assert(kStages >= 2 && (!kBulk || kStages == 2), "bulk copies use two buffers");
@@ -196,7 +200,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
     for (int r = warp; r < kLoopTileTokens; r += kWarpsPerCta)
 #pragma unroll
-      for (int ch = lane; ch < kLoopRowBytes / 16; ch += 32)
+      for (int ch = lane; ch < kCopyChunks; ch += 32)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + r * kLoopStride * 2 + ch * 16),
                      "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
     asm volatile("cp.async.commit_group;\n" ::);
@@ -339,7 +343,7 @@ struct InnerLoop {
   void (*kernel)(int, const __nv_bfloat16*, int, float*);
   int warps;         // per CTA, one CTA per SM
   int mma_per_tile;  // per warp
-  bool gathers;      // reads `src`: 32 rows of 1,152 B per CTA per tile
+  int copy_bytes;    // read from `src` per CTA per tile: 32 rows of 1,152 B (576 B for the half gather), or 0
   bool bulk;         // bulk copies: sm_90+
   int smem_bytes;    // the tile buffers, the S exchange and two mbarriers
 };
@@ -348,7 +352,10 @@ template <int W, int KS, int OT, int P, int S = 2>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P, S>, W,
           ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
-          (P & (kPartGather | kPartBulk)) != 0, (P & kPartBulk) != 0,
+          (P & (kPartGather | kPartBulk)) ? kLoopTileTokens * kLoopRowBytes
+          : (P & kPartHalfGather)         ? kLoopTileTokens * kLoopRowBytes / 2
+                                          : 0,
+          (P & kPartBulk) != 0,
           (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
 }
 
@@ -362,6 +369,7 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax>("S+PV 8w +xchg +softmax"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync>("S+PV 8w +xchg +softmax +sync"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 8w +xchg +softmax +gather"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartHalfGather>("S+PV 8w +xchg +softmax +half gather"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartBulk>("S+PV 8w +xchg +softmax +bulk"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
@@ -387,9 +395,7 @@ const char* kdtree_bench_loop_name(int i) { return i >= 0 && i < kNumInnerLoops 
 int kdtree_bench_loop_warps(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].warps : 0; }
 int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].mma_per_tile : 0; }
 // Bytes each CTA copies from global memory per tile (0: the loop works on shared memory only).
-int kdtree_bench_loop_tile_bytes(int i) {
-  return i >= 0 && i < kNumInnerLoops && kInnerLoops[i].gathers ? kLoopTileTokens * kLoopRowBytes : 0;
-}
+int kdtree_bench_loop_tile_bytes(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].copy_bytes : 0; }
 
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
@@ -402,7 +408,7 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
   if (i < 0 || i >= kNumInnerLoops || blocks < 1 || tiles < 1 || sink == nullptr) return 1;
   const InnerLoop& loop = kInnerLoops[i];
   const size_t tile_src_bytes = (size_t)kLoopTileTokens * kLoopRowBytes;
-  if (loop.gathers && (src == nullptr || src_bytes < tile_src_bytes)) return 1;
+  if (loop.copy_bytes && (src == nullptr || src_bytes < tile_src_bytes)) return 1;
   int dev = 0, per_sm = 0, opt_in = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
@@ -413,7 +419,7 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
   if (smem < loop.smem_bytes) smem = loop.smem_bytes;
   if (smem > opt_in || (loop.bulk && major < 9)) return 3;
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
-  const int src_tiles = loop.gathers ? (int)(src_bytes / tile_src_bytes) : 1;
+  const int src_tiles = loop.copy_bytes ? (int)(src_bytes / tile_src_bytes) : 1;
   loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,
                                                          sink);
   return cudaGetLastError() == cudaSuccess ? 0 : 2;
