@@ -4,9 +4,12 @@
 // `iters` iterations on register operands; no memory traffic inside the loop. FLOPs = 2*16*8*16 per mma.
 // The result is folded into `sink` so the compiler cannot drop the work. kdev bench --ceilings times it
 // with CUDA events and caches the figure per GPU.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kdev/mma_sync.cuh"
 
 namespace {
 
@@ -82,9 +85,11 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 // per warp): what more warps per SM would get. At 16 warps a thread has 128 registers, and O (64) + Q (36)
 // + S (16) + fragments do not fit (ptxas spills): Q comes by ldmatrix there.
 // KV rows are 584 bf16 apart, as in the flash kernel, so ldmatrix is bank-conflict free.
-#include <cuda_bf16.h>
-
 namespace {
+
+using kdtree::ldmatrix_x4;
+using kdtree::ldmatrix_x4_trans;
+using kdtree::mma_bf16;
 
 // Bulk copies, mbarrier transaction counts and the async-proxy fence are sm_90+; on older archs the bulk
 // loops are built without their copies and kdtree_bench_loop refuses them (status 3).
@@ -104,23 +109,6 @@ enum LoopParts {
   kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256
 };
 
-__device__ __forceinline__ void loop_ldsm_x4(uint32_t (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void loop_ldsm_x4_trans(uint32_t (&r)[4], unsigned a) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void loop_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -247,16 +235,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
           for (int i = 0; i < 4; ++i) bf[i] = bg[i] = qf[kKSteps - 1 - ks][i];
         } else {
-          loop_ldsm_x4(bf, tile + k_off + ks * 32);
-          loop_ldsm_x4(bg, tile + k_off + 16 * kLoopStride * 2 + ks * 32);
+          ldmatrix_x4(bf, tile + k_off + ks * 32);
+          ldmatrix_x4(bg, tile + k_off + 16 * kLoopStride * 2 + ks * 32);
         }
         uint32_t qs[4];
-        if constexpr (kQShared) loop_ldsm_x4(qs, other + q_off + ks * 32);
+        if constexpr (kQShared) ldmatrix_x4(qs, other + q_off + ks * 32);
         const uint32_t(&a)[4] = kQShared ? qs : qf[kQShared ? 0 : ks];
-        loop_mma(sacc[0], a, bf[0], bf[1]);
-        loop_mma(sacc[1], a, bf[2], bf[3]);
-        loop_mma(sacc[2], a, bg[0], bg[1]);
-        loop_mma(sacc[3], a, bg[2], bg[3]);
+        mma_bf16(sacc[0], a, bf[0], bf[1]);
+        mma_bf16(sacc[1], a, bf[2], bf[3]);
+        mma_bf16(sacc[2], a, bg[0], bg[1]);
+        mma_bf16(sacc[3], a, bg[2], bg[3]);
       }
       if constexpr (kXchg) {
 #pragma unroll
@@ -324,9 +312,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
         for (int np = 0; np < kOTiles / 2; ++np) {
           uint32_t bf[4];
-          loop_ldsm_x4_trans(bf, vrow + np * 32);
-          loop_mma(o[2 * np], pf[kk], bf[0], bf[1]);
-          loop_mma(o[2 * np + 1], pf[kk], bf[2], bf[3]);
+          ldmatrix_x4_trans(bf, vrow + np * 32);
+          mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
+          mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
         }
       }
     }
