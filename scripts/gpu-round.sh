@@ -12,8 +12,9 @@
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
 # and the SASS with per-instruction counters (CSV). --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
-# does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections as text
-# only, to stay within the files a round returns): two rungs one piece apart say what that piece costs where.
+# does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections and raw
+# metrics in one text file, to stay within the files a round returns): two rungs one piece apart say what that
+# piece costs where.
 # --profile-only: build and the profiles, nothing else.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
@@ -101,9 +102,13 @@ for shape in "${PROFILES[@]}"; do
 done
 for loop in "${LOOP_PROFILES[@]}"; do
   name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"
+  rep="$(mktemp -d)/$name"
   step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:inner_loop_kernel \
-    --launch-count 1 --log-file "$OUT/$name.log" --print-details all \
+    --launch-count 1 -o "$rep" --log-file "$OUT/$name.log" \
     python3 -m kdev bench --ceilings --loop "$loop"
+  # the sections and every raw metric (shared-memory wavefronts by instruction kind among them) in one file
+  { ncu --import "$rep.ncu-rep" --print-details all; ncu --import "$rep.ncu-rep" --page raw --csv; } \
+    > "$OUT/$name.txt" 2>&1
 done
 if [ "$DEPLOY" = 1 ]; then
   # deploy-check reads git history; a tree copied without it is checked as a snapshot repository in a
