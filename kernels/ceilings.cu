@@ -114,6 +114,31 @@ __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Tile t of this CTA's stream in `src` (which holds src_tiles contiguous 32-token tiles).
+__device__ __forceinline__ const char* loop_tile_src(const __nv_bfloat16* src, int tiles, int t, int src_tiles) {
+  return reinterpret_cast<const char*>(src) +
+         (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
+}
+
+// One tile into the buffer at `dst` by cp.async, 16 bytes per copy, as one commit group: warp w copies rows
+// w, w + kWarps, ..; kChunks 16-byte chunks of each row (72: the whole row).
+template <int kWarps, int kChunks>
+__device__ __forceinline__ void loop_copy_tile(unsigned dst, const char* tile_src, int warp, int lane) {
+#pragma unroll
+  for (int r = warp; r < kLoopTileTokens; r += kWarps)
+#pragma unroll
+    for (int ch = lane; ch < kChunks; ch += 32)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + r * kLoopStride * 2 + ch * 16),
+                   "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Fills the tile buffers with small finite values (the loops' operands; what they hold does not matter).
+__device__ __forceinline__ void loop_fill(__nv_bfloat16* kv, int elems) {
+  for (int i = threadIdx.x; i < elems; i += blockDim.x)
+    kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);
+}
+
 // kKSteps: S k-steps per warp (its share of the 576 dims / 16); kOTiles: 8-column n-tiles of O per warp.
 // `src` holds `src_tiles` contiguous 32-token tiles of 576-dim bf16 rows (read only by the gathering loops).
 template <int kWarpsPerCta, int kKSteps, int kOTiles, int kParts, int kStages>
@@ -133,8 +158,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   float4* xchg = reinterpret_cast<float4*>(loop_smem + kStages * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
   const unsigned full =
       static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + kStages * kLoopTileBytes + kLoopXchgBytes));
-  for (int i = threadIdx.x; i < kStages * kLoopTileTokens * kLoopStride; i += blockDim.x)
-    kv[i] = __float2bfloat16((float)((i * 37 + blockIdx.x) % 17 - 8) * 0.0625f);  // small finite values
+  loop_fill(kv, kStages * kLoopTileTokens * kLoopStride);
 #if KDTREE_LOOP_BULK
   if (kBulk && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
@@ -165,8 +189,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   float sacc[4][4] = {};
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, total = 0.f;
   auto gather = [&](int t) {  // tile t of this CTA's stream into buffer t % kStages: warp w copies rows w, w+8, ..
-    const char* tile_src = reinterpret_cast<const char*>(src) +
-                           (size_t)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens * kLoopRowBytes;
+    const char* tile_src = loop_tile_src(src, tiles, t, src_tiles);
     const unsigned dst = base + (t % kStages) * kLoopTileBytes;
     if constexpr (kBulk) {
 #if KDTREE_LOOP_BULK
@@ -185,13 +208,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #endif
       return;
     }
-#pragma unroll
-    for (int r = warp; r < kLoopTileTokens; r += kWarpsPerCta)
-#pragma unroll
-      for (int ch = lane; ch < kCopyChunks; ch += 32)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + r * kLoopStride * 2 + ch * 16),
-                     "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
-    asm volatile("cp.async.commit_group;\n" ::);
+    loop_copy_tile<kWarpsPerCta, kCopyChunks>(dst, tile_src, warp, lane);
   };
   if constexpr (kGather) {
 #pragma unroll
@@ -326,6 +343,146 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   if (total + l_lo + l_hi == 1234.5f) sink[threadIdx.x] = total;  // keeps the work; practically never true
 }
 
+// The same tile's work in a 2 x 4 warp layout ("2x4"): warp w = (row group g = w / 4: 32 rows, quarter
+// q = w % 4), where the flash kernel's layout is 4 x 2 (16 rows, dim / column halves).
+//   S   the warp multiplies its group's 32 rows over dims [144q, 144q + 144) (Q: 2 row tiles x 9 k-steps, the
+//       same 72 registers), so every K fragment feeds 4 mma instead of 2;
+//   +xchg  the four quarters' partial scores meet in shared memory (fp32, one 16-token half at a time: a
+//       32-token buffer would not fit sm_120 beside the KV tiles) and warp q of the group sums rows 8q..8q+7
+//       (with +softmax: its max, exponentials and sums, once per row instead of twice); P goes back as bf16
+//       and every warp of the group reads its A fragments by ldmatrix; 128-thread named barriers per group;
+//   PV  the warp owns its group's 32 rows x value columns [128q, 128q + 128): every V fragment feeds 4 mma.
+// Shared-memory wavefronts per tile (CTA): ldmatrix 1,216 instead of 2,176; the exchange 672 instead of 264.
+// Whether fewer wavefronts make the loop faster is what these rungs measure.
+constexpr int kGroupPBStride = 32 + 8;                 // P row: 32 tokens bf16 + 16 B (ldmatrix conflict-free)
+constexpr unsigned kGroupPartBytes = 2 * 4 * 2 * 2 * 2 * 32 * 8;  // [g][q][m][row half][n][lane] float2: 16 KB
+constexpr unsigned kGroupPBytes = 64 * kGroupPBStride * 2;
+
+template <int kParts, int kStages>
+__global__ void __launch_bounds__(256, 1)
+    grouped_loop_kernel(int tiles, const __nv_bfloat16* src, int src_tiles, float* sink) {
+  constexpr bool kSoftmax = (kParts & kPartSoftmax) != 0, kGather = (kParts & kPartGather) != 0;
+  extern __shared__ __align__(16) unsigned char loop_smem[];
+  __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);
+  float2* part = reinterpret_cast<float2*>(loop_smem + kStages * kLoopTileBytes);
+  __nv_bfloat16* pbuf = reinterpret_cast<__nv_bfloat16*>(loop_smem + kStages * kLoopTileBytes + kGroupPartBytes);
+  loop_fill(kv, kStages * kLoopTileTokens * kLoopStride);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8, g = warp / 4, q = warp % 4;
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(kv));
+  const unsigned k_off = (((mi / 2) * 8 + lane % 8) * kLoopStride + q * 144 + (mi % 2) * 8) * 2;
+  const unsigned v_off = (((mi % 2) * 8 + lane % 8) * kLoopStride + q * 128 + (mi / 2) * 8) * 2;
+  const unsigned p_frag = static_cast<unsigned>(__cvta_generic_to_shared(pbuf)) +
+                          ((g * 32 + lane % 16) * kGroupPBStride + (lane / 16) * 8) * 2;
+  // this lane's row in the reduction (row 8q + lane / 4 of group g = row half q % 2 of row tile q / 2) and
+  // its P words: tokens 2 (lane % 4) + {0, 1} and + 8
+  const int red_row = g * 32 + 8 * q + lane / 4;
+  uint32_t* p_words = reinterpret_cast<uint32_t*>(pbuf + red_row * kGroupPBStride + 2 * (lane % 4));
+  uint32_t qf[2][9][4];
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(kv);
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int ks = 0; ks < 9; ++ks)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qf[m][ks][i] = words[((m * 9 + ks) * 4 + i) * 37 + lane];
+  float o[2][16][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) o[m][nt][0] = o[m][nt][1] = o[m][nt][2] = o[m][nt][3] = 0.f;
+  float m_run = -INFINITY, l_run = 0.f, total = 0.f;
+  auto gather = [&](int t) {
+    loop_copy_tile<8, kLoopRowBytes / 16>(base + (t % kStages) * kLoopTileBytes, loop_tile_src(src, tiles, t, src_tiles),
+                                          warp, lane);
+  };
+  if constexpr (kGather) {
+#pragma unroll
+    for (int st = 0; st + 1 < kStages; ++st) {
+      if (st < tiles) gather(st);
+      else asm volatile("cp.async.commit_group;\n" ::);
+    }
+  }
+#pragma unroll 1
+  for (int t = 0; t < tiles; ++t) {
+    const unsigned tile = base + (t % kStages) * kLoopTileBytes;
+    if constexpr (kGather) asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    __syncthreads();
+    if constexpr (kGather) {
+      if (t + kStages - 1 < tiles) gather(t + kStages - 1);
+      else asm volatile("cp.async.commit_group;\n" ::);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // 16-token halves: S, exchange and softmax, then that half's k-step of P.V
+      float s[2][2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < 9; ++ks) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, tile + k_off + h * 16 * kLoopStride * 2 + ks * 32);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          mma_bf16(s[m][0], qf[m][ks], bf[0], bf[1]);
+          mma_bf16(s[m][1], qf[m][ks], bf[2], bf[3]);
+        }
+      }
+      // partials in fragment order: [g][q][m][row half][n][lane], so both stores and loads are whole wavefronts
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          part[((((g * 4 + q) * 2 + m) * 2 + 0) * 2 + n) * 32 + lane] = make_float2(s[m][n][0], s[m][n][1]);
+          part[((((g * 4 + q) * 2 + m) * 2 + 1) * 2 + n) * 32 + lane] = make_float2(s[m][n][2], s[m][n][3]);
+        }
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+      float x[4] = {0.f, 0.f, 0.f, 0.f};  // tokens 2 (lane % 4) + {0, 1}, 8 + 2 (lane % 4) + {0, 1}
+#pragma unroll
+      for (int src_q = 0; src_q < 4; ++src_q)  // a fixed order: the same bits every run
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float2 v = part[((((g * 4 + src_q) * 2 + q / 2) * 2 + q % 2) * 2 + n) * 32 + lane];
+          x[2 * n] += v.x;
+          x[2 * n + 1] += v.y;
+        }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] *= 0.0625f;
+      if constexpr (kSoftmax) {
+        float mx = fmaxf(m_run, fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3])));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        m_run = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum += (x[i] = exp2f(x[i] - m_run));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l_run += sum;
+      }
+      p_words[h * 8] = loop_pack(x[0], x[1]);
+      p_words[h * 8 + 4] = loop_pack(x[2], x[3]);
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+      uint32_t pa[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) ldmatrix_x4(pa[m], p_frag + (m * 16 * kGroupPBStride + h * 16) * 2);
+      const unsigned vrow = tile + v_off + h * 16 * kLoopStride * 2;
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, vrow + np * 32);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          mma_bf16(o[m][2 * np], pa[m], bf[0], bf[1]);
+          mma_bf16(o[m][2 * np + 1], pa[m], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) total += o[m][nt][0] + o[m][nt][1] + o[m][nt][2] + o[m][nt][3];
+  if (total + l_run == 1234.5f) sink[threadIdx.x] = total;  // keeps the work; practically never true
+}
+
 struct InnerLoop {
   const char* name;
   void (*kernel)(int, const __nv_bfloat16*, int, float*);
@@ -345,6 +502,13 @@ constexpr InnerLoop inner_loop(const char* name) {
                                           : 0,
           (P & kPartBulk) != 0,
           (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
+}
+
+template <int P, int S = 2>
+constexpr InnerLoop grouped_loop(const char* name) {
+  return {name, grouped_loop_kernel<P, S>, 8, 2 * 9 * 4 + 2 * 8 * 4,
+          (P & kPartGather) ? kLoopTileTokens * kLoopRowBytes : 0, false,
+          (int)(S * kLoopTileBytes + kGroupPartBytes + kGroupPBytes)};
 }
 
 constexpr int kLadder = kPartS | kPartPV;
@@ -369,6 +533,8 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartQShared>("S+PV 8w, Q by ldmatrix"),
     inner_loop<16, 9, 16, kPartRegs>("regs 16w"),
     inner_loop<16, 9, 16, kLadder | kPartQShared>("S+PV 16w, Q by ldmatrix"),
+    grouped_loop<kLadder | kPartXchg | kPartSoftmax | kPartSync>("S+PV 2x4 +xchg +softmax +sync"),
+    grouped_loop<kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 2x4 +xchg +softmax +gather"),
 };
 constexpr int kNumInnerLoops = sizeof(kInnerLoops) / sizeof(kInnerLoops[0]);
 
