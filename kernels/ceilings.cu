@@ -75,6 +75,13 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 //            (sm_90 only: they do not fit sm_120's 99 KB) put more tiles in flight;
 //   +half gather  the same copy of only the first 576 B of each row: whether the gather's cost follows its
 //            bytes (contention inside the SM) or the tile (the wait and the barrier around it);
+//   +aligned gather  the same copy into rows 1,152 B apart (every row on a 128-byte boundary) instead of the
+//            tile's 1,168 (the 16-byte pad that keeps ldmatrix conflict-free): whether the fill's shared-memory
+//            writes (2.6 wavefronts per 128 B, measured) cost more for rows off the line boundary; the
+//            ldmatrix reads stay on the padded layout (what they read does not matter here);
+//   swizzled  rows 1,152 B apart (128-byte aligned fills) and, for conflict-free ldmatrix, chunk ch of row r
+//            stored at (ch & ~7) | ((ch ^ r) & 7) (16-byte chunks, XOR within each 128-byte group); each
+//            half's dims and value columns interleave by 16 so a lane's addresses take 2 swizzled offsets;
 //   +bulk    the same copy as 32 bulk copies (cp.async.bulk, one row each, issued by one warp) that complete
 //            on an mbarrier per buffer: the copy engine instead of 2,304 16-byte cp.async per tile;
 //   gather only: the copy and the barrier with no tensor work: the rate at which L2 feeds the SMs;
@@ -106,7 +113,7 @@ constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
 constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 32 lanes x float4
 enum LoopParts {
   kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
-  kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256
+  kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256, kPartAlignedFill = 512, kPartSwizzle = 1024
 };
 
 __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
@@ -121,14 +128,17 @@ __device__ __forceinline__ const char* loop_tile_src(const __nv_bfloat16* src, i
 }
 
 // One tile into the buffer at `dst` by cp.async, 16 bytes per copy, as one commit group: warp w copies rows
-// w, w + kWarps, ..; kChunks 16-byte chunks of each row (72: the whole row).
-template <int kWarps, int kChunks>
+// w, w + kWarps, ..; kChunks 16-byte chunks of each row (72: the whole row), rows kDstStride bytes apart in
+// shared memory (the tile's 1,168, or 1,152: every row on a 128-byte line boundary).
+// kSwizzle: chunk ch of row r lands in chunk (ch & ~7) | ((ch ^ r) & 7) (see +swizzled).
+template <int kWarps, int kChunks, int kDstStride = kLoopStride * 2, bool kSwizzle = false>
 __device__ __forceinline__ void loop_copy_tile(unsigned dst, const char* tile_src, int warp, int lane) {
 #pragma unroll
   for (int r = warp; r < kLoopTileTokens; r += kWarps)
 #pragma unroll
     for (int ch = lane; ch < kChunks; ch += 32)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + r * kLoopStride * 2 + ch * 16),
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                       dst + r * kDstStride + (kSwizzle ? (ch & ~7) | ((ch ^ r) & 7) : ch) * 16),
                    "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
   asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -148,7 +158,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr bool kDoPV = (kParts & kPartPV) != 0, kQShared = (kParts & kPartQShared) != 0;
   constexpr bool kXchg = (kParts & kPartXchg) != 0, kSoftmax = (kParts & kPartSoftmax) != 0;
   constexpr bool kBulk = (kParts & kPartBulk) != 0, kHalf = (kParts & kPartHalfGather) != 0;
-  constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf;
+  constexpr bool kAligned = (kParts & kPartAlignedFill) != 0, kSwz = (kParts & kPartSwizzle) != 0;
+  static_assert(!kSwz || (kKSteps == 18 && kOTiles == 32 && !kQShared), "the swizzled layout is the 8-warp loop's");
+  constexpr int kPitch = kSwz ? kLoopRowBytes : kLoopStride * 2;  // bytes from one KV row to the next
+  constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf || kAligned;
   constexpr int kCopyChunks = (kHalf ? kLoopRowBytes / 2 : kLoopRowBytes) / 16;  // 16-byte chunks per row
   constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
@@ -174,6 +187,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(kv));
   const unsigned k_off = (((mi / 2) * 8 + lane % 8) * kLoopStride + part * kKSteps * 16 + (mi % 2) * 8) * 2;
   const unsigned v_off = (((mi % 2) * 8 + lane % 8) * kLoopStride + part * kOTiles * 8 + (mi / 2) * 8) * 2;
+  // swizzled: the two halves interleave by 16-dim steps (K: k-step ks of half `part` is chunks 4 ks + 2 part
+  // + {0, 1}; V: value-column pair np likewise), so a lane's chunk within its 128-byte group takes two values
+  const int swz = lane & 7;  // the row (K and V alike) of this lane's ldmatrix address, mod 8
+  const unsigned k_swz[2] = {(((mi / 2) * 8 + lane % 8) * kLoopRowBytes) + (((2 * part + mi % 2) ^ swz) << 4),
+                             (((mi / 2) * 8 + lane % 8) * kLoopRowBytes) + (((4 + 2 * part + mi % 2) ^ swz) << 4)};
+  const unsigned v_swz[2] = {(((mi % 2) * 8 + lane % 8) * kLoopRowBytes) + (((2 * part + mi / 2) ^ swz) << 4),
+                             (((mi % 2) * 8 + lane % 8) * kLoopRowBytes) + (((4 + 2 * part + mi / 2) ^ swz) << 4)};
   const unsigned q_off = ((lane % 16) * kLoopStride + part * kKSteps * 16 + (lane / 16) * 8) * 2;
   // Q fragments read from shared memory once, so they are live registers (as in the flash kernel), not
   // constants the compiler could fold; with kQShared they are re-read by ldmatrix every k-step instead
@@ -208,7 +228,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #endif
       return;
     }
-    loop_copy_tile<kWarpsPerCta, kCopyChunks>(dst, tile_src, warp, lane);
+    loop_copy_tile<kWarpsPerCta, kCopyChunks, kAligned || kSwz ? kLoopRowBytes : kLoopStride * 2, kSwz>(dst, tile_src,
+                                                                                                  warp, lane);
   };
   if constexpr (kGather) {
 #pragma unroll
@@ -252,8 +273,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
           for (int i = 0; i < 4; ++i) bf[i] = bg[i] = qf[kKSteps - 1 - ks][i];
         } else {
-          ldmatrix_x4(bf, tile + k_off + ks * 32);
-          ldmatrix_x4(bg, tile + k_off + 16 * kLoopStride * 2 + ks * 32);
+          const unsigned ka = kSwz ? tile + k_swz[ks & 1] + (ks >> 1) * 128 : tile + k_off + ks * 32;
+          ldmatrix_x4(bf, ka);
+          ldmatrix_x4(bg, ka + 16 * kPitch);
         }
         uint32_t qs[4];
         if constexpr (kQShared) ldmatrix_x4(qs, other + q_off + ks * 32);
@@ -325,11 +347,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     if constexpr (kDoPV) {
 #pragma unroll
       for (int kk = 0; kk < kLoopTileTokens / 16; ++kk) {
-        const unsigned vrow = tile + v_off + kk * 16 * kLoopStride * 2;
+        const unsigned vrow = tile + v_off + kk * 16 * kPitch;
 #pragma unroll
         for (int np = 0; np < kOTiles / 2; ++np) {
           uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vrow + np * 32);
+          ldmatrix_x4_trans(bf, kSwz ? tile + kk * 16 * kPitch + v_swz[np & 1] + (np >> 1) * 128 : vrow + np * 32);
           mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
           mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
         }
@@ -497,7 +519,7 @@ template <int W, int KS, int OT, int P, int S = 2>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P, S>, W,
           ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
-          (P & (kPartGather | kPartBulk)) ? kLoopTileTokens * kLoopRowBytes
+          (P & (kPartGather | kPartBulk | kPartAlignedFill)) ? kLoopTileTokens * kLoopRowBytes
           : (P & kPartHalfGather)         ? kLoopTileTokens * kLoopRowBytes / 2
                                           : 0,
           (P & kPartBulk) != 0,
@@ -523,10 +545,14 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather>("S+PV 8w +xchg +softmax +gather"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartHalfGather>("S+PV 8w +xchg +softmax +half gather"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartBulk>("S+PV 8w +xchg +softmax +bulk"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartAlignedFill>("S+PV 8w +xchg +softmax +aligned gather"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync | kPartSwizzle>("S+PV 8w +xchg +softmax +sync, swizzled"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather | kPartSwizzle>("S+PV 8w +xchg +softmax +gather, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
     inner_loop<8, 18, 32, kPartGather, 3>("gather only 8w, 3 stages"),
     inner_loop<8, 18, 32, kPartGather, 4>("gather only 8w, 4 stages"),
+    inner_loop<8, 18, 32, kPartAlignedFill>("aligned gather only 8w"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather, 3>("S+PV 8w +xchg +softmax +gather, 3 stages"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather, 4>("S+PV 8w +xchg +softmax +gather, 4 stages"),
     inner_loop<8, 18, 32, kPartBulk>("bulk only 8w"),

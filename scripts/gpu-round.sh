@@ -103,7 +103,7 @@ done
 for loop in "${LOOP_PROFILES[@]}"; do
   name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"
   rep="$(mktemp -d)/$name"
-  step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:inner_loop_kernel \
+  step "$name" ncu --clock-control none --set full --import-source no --kernel-name 'regex:(inner|grouped)_loop_kernel' \
     --launch-count 1 -o "$rep" --log-file "$OUT/$name.log" \
     python3 -m kdev bench --ceilings --loop "$loop"
   # the sections and every raw metric (shared-memory wavefronts by instruction kind among them) in one file
