@@ -7,22 +7,29 @@
 // How:
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
-// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (91,136 B of dynamic shared memory: fits
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (90,112 B of dynamic shared memory: fits
 //   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
 //   half c = w/4).
-// * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over dims [288c, 288c+288) with Q held
-//   in registers (72 per thread, loaded once) and K read by ldmatrix; the two half-sums meet in shared
-//   memory. Splitting by dims rather than tokens keeps Q at 72 registers instead of 144.
+// * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over half the dims (the 16-dim k-steps
+//   2j + c, j < 18) with Q held in registers (72 per thread, loaded once) and K read by ldmatrix; the two
+//   half-sums meet in shared memory. Splitting by dims rather than tokens keeps Q at 72 registers instead
+//   of 144.
 // * Softmax in fp32 registers on the mma accumulator layout (a row's 32 scores sit in one quad), exp2
 //   with log2(e) folded into the scale, against a lazy reference max that moves only when a row's max
 //   rises by more than 2^8 (so the O rescale runs on few tiles). Tiles entirely inside the prefix skip
 //   the mask; the others read the node's bitmask row. P feeds P.V directly as bf16 A fragments; the row
 //   sum adds the unrounded fp32 values, so lse stays fp32-exact (summing the rounded values biased lse by
 //   up to ~1e-3 on peaked rows: measured, see NOTES.md).
-// * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and value columns [256c, 256c+256): 128 fp32
-//   accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512 dims).
+// * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and the 16-column value blocks 2j + c (j < 16):
+//   128 fp32 accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512
+//   dims).
 // * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
-//   into a double buffer: tile i+1 loads while tile i computes.
+//   into a double buffer: tile i+1 loads while tile i computes. A tile's rows are 1,152 B apart, each on a
+//   128-byte line, and 16-byte chunk ch of row r sits at chunk (ch & ~7) | ((ch ^ r) & 7) (XOR within each
+//   128-byte group): the fills write whole lines (rows padded to 1,168 B for conflict-free ldmatrix cost
+//   2.6 shared-memory wavefronts per 128 B filled, measured; see NOTES.md) and the 8 rows of every ldmatrix
+//   still fall in 8 different banks. Interleaving the halves by 16 dims / columns (above) leaves a lane two
+//   swizzled offsets per tile instead of one per k-step.
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
 //   combine kernel merges them weighted by exp(lse_s - lse). The split count depends only on the shapes,
@@ -44,19 +51,17 @@ constexpr int kBlockM = 64;                    // rows (node x head) per CTA
 constexpr int kBlockN = 32;                    // KV tokens per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kKvStride = KDTREE_QK_DIM + 8;  // 584 bf16 = 1168 B: rows land 4 banks apart (ldmatrix conflict-free)
-constexpr int kDimHalf = KDTREE_QK_DIM / 2;    // 288 dims per S warp
-constexpr int kKSteps = kDimHalf / 16;         // 18 k-steps of 16
-constexpr int kVHalf = KDTREE_V_DIM / 2;       // 256 value columns per PV warp
-constexpr int kVTiles = kVHalf / 8;            // 32 n-tiles of 8
+constexpr int kKvPitch = KDTREE_QK_DIM * 2;    // 1,152 B from one KV row to the next in shared memory
+constexpr int kKSteps = KDTREE_QK_DIM / 32;    // 18 k-steps of 16 dims per S warp (every other one)
+constexpr int kVTiles = KDTREE_V_DIM / 2 / 8;  // 32 n-tiles of 8 value columns per PV warp
 constexpr int kChunksPerRow = KDTREE_QK_DIM / 8;  // 72 x 16-byte chunks per KV row
-constexpr unsigned kBufBytes = kBlockN * kKvStride * 2;  // one KV buffer
+constexpr unsigned kBufBytes = kBlockN * kKvPitch;  // one KV buffer
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
-struct __align__(16) SharedStorage {
-  __nv_bfloat16 kv[2][kBlockN][kKvStride];  // 74,752 B: double-buffered KV tile
+struct __align__(128) SharedStorage {  // 128: every KV row on a 128-byte line
+  __nv_bfloat16 kv[2][kBlockN][KDTREE_QK_DIM];  // 73,728 B: double-buffered KV tile, chunks swizzled
   float4 s_part[kWarps][4][32];             // 16,384 B: each warp's half-dim partial scores, fragment order
 };
 
@@ -70,12 +75,15 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// Where 16-byte chunk `ch` of KV row `r` sits in its shared-memory row (the swizzle described above).
+__device__ __forceinline__ int kv_chunk(int r, int ch) { return (ch & ~7) | ((ch ^ r) & 7); }
+
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* ptr, bool valid) {
   return valid ? *reinterpret_cast<const uint32_t*>(ptr) : 0u;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAttnParams p, int num_splits) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -113,25 +121,26 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
       const __nv_bfloat16* src = kv;  // any valid address; zero bytes are read when !ok
       if (ok) src = kv + (((size_t)page_row[pos >> page_shift] << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM;
 #pragma unroll
-      for (int ch = lane; ch < kChunksPerRow; ch += 32) cp_async_16(&sm.kv[buf][r][ch * 8], src + ch * 8, ok ? 16 : 0);
+      for (int ch = lane; ch < kChunksPerRow; ch += 32)
+        cp_async_16(&sm.kv[buf][r][kv_chunk(r, ch) * 8], src + ch * 8, ok ? 16 : 0);
     }
     cp_async_commit();
   };
   if (num_tiles > 0) load_tile(0, kv_begin);
 
-  // Q fragments for rows 16g + gid (+8), dims [288c, 288c + 288): loaded once, kept in registers.
+  // Q fragments for rows 16g + gid (+8), k-step ks = dims 32ks + 16c + [0, 16): loaded once, kept in registers.
   uint32_t qf[kKSteps][4];
   {
     const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + (size_t)q0 * H * KDTREE_QK_DIM;
     const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
-    const __nv_bfloat16* q_lo = qb + (size_t)r_lo * KDTREE_QK_DIM + c * kDimHalf + tig * 2;
-    const __nv_bfloat16* q_hi = qb + (size_t)r_hi * KDTREE_QK_DIM + c * kDimHalf + tig * 2;
+    const __nv_bfloat16* q_lo = qb + (size_t)r_lo * KDTREE_QK_DIM + c * 16 + tig * 2;
+    const __nv_bfloat16* q_hi = qb + (size_t)r_hi * KDTREE_QK_DIM + c * 16 + tig * 2;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      qf[ks][0] = load_pair(q_lo + ks * 16, r_lo < R);
-      qf[ks][1] = load_pair(q_hi + ks * 16, r_hi < R);
-      qf[ks][2] = load_pair(q_lo + ks * 16 + 8, r_lo < R);
-      qf[ks][3] = load_pair(q_hi + ks * 16 + 8, r_hi < R);
+      qf[ks][0] = load_pair(q_lo + ks * 32, r_lo < R);
+      qf[ks][1] = load_pair(q_hi + ks * 32, r_hi < R);
+      qf[ks][2] = load_pair(q_lo + ks * 32 + 8, r_lo < R);
+      qf[ks][3] = load_pair(q_hi + ks * 32 + 8, r_hi < R);
     }
   }
 
@@ -143,11 +152,15 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
   const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
   const float scale_log2 = p.scale * kLog2e;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-  // Per-lane byte offsets of the ldmatrix rows inside a KV buffer (see the fragment maps above mma_bf16).
+  // Per-lane byte offsets of the ldmatrix rows inside a KV buffer, for the even k-steps / column pairs (see
+  // the fragment maps of m16n8k16). K k-step ks of half c is chunks 4ks + 2c + {0, 1} (matrix mi % 2), V
+  // column pair np is chunks 4np + 2c + {0, 1} (matrix mi / 2): within a 128-byte group, chunk 4 (ks & 1)
+  // + a with a < 4, so the odd steps' offset is the even one's with bit 6 flipped ((4 + a) ^ x = (a ^ x) ^ 4).
+  // Every ldmatrix row of a lane is = lane (mod 8), which is what the swizzle XORs with.
   const int mi = lane / 8;
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0]));
-  const unsigned k_lane_off = (((mi / 2) * 8 + lane % 8) * kKvStride + c * kDimHalf + (mi % 2) * 8) * 2;
-  const unsigned v_lane_off = (((mi % 2) * 8 + lane % 8) * kKvStride + c * kVHalf + (mi / 2) * 8) * 2;
+  const unsigned k_lane_off = ((mi / 2) * 8 + lane % 8) * kKvPitch + (((2 * c + mi % 2) ^ (lane % 8)) << 4);
+  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * kKvPitch + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
 
   for (int it = 0; it < num_tiles; ++it) {
     const int buf = it & 1;
@@ -162,12 +175,13 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
     // float addition is commutative, so own + partner gives both warps the same bits.
     float sacc[4][4] = {};
     {
-      const unsigned krow = kv_smem + buf * kBufBytes + k_lane_off;
+      const unsigned kbuf = kv_smem + buf * kBufBytes;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t bf[4], bg[4];
-        ldmatrix_x4(bf, krow + ks * 32);
-        ldmatrix_x4(bg, krow + 16 * kKvStride * 2 + ks * 32);
+        const unsigned ka = kbuf + (ks >> 1) * 128 + (k_lane_off ^ ((ks & 1) << 6));
+        ldmatrix_x4(bf, ka);
+        ldmatrix_x4(bg, ka + 16 * kKvPitch);
         mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
         mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
         mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
@@ -271,14 +285,14 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
     l_lo += sum_lo;
     l_hi += sum_hi;
 
-    // ---- O[16 rows, 256 columns half c] += P[16, 32] . V[32, 256]
+    // ---- O[16 rows, 256 columns of half c] += P[16, 32] . V[32, 256]
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const unsigned vrow = kv_smem + buf * kBufBytes + v_lane_off + kk * 16 * kKvStride * 2;
+      const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * kKvPitch;
 #pragma unroll
       for (int np = 0; np < kVTiles / 2; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4_trans(bf, vrow + np * 32);
+        ldmatrix_x4_trans(bf, vbuf + (np >> 1) * 128 + (v_lane_off ^ ((np & 1) << 6)));
         mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
         mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
       }
@@ -296,18 +310,19 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
     const float lse = l > 0.f ? ((half ? m_hi : m_lo) + log2f(l)) * kLn2 : -INFINITY;
     const size_t grow = (size_t)q0 * H + r;
     if (num_splits == 1) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * kVHalf + tig * 2;
+      // n-tile nt is value columns 32 (nt / 2) + 16c + 8 (nt % 2) + [0, 8)
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * 16 + tig * 2;
 #pragma unroll
       for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(out + nt * 8) =
+        *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 32 + (nt % 2) * 8) =
             __floats2bfloat162_rn(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
       if (c == 0 && tig == 0) p.lse[grow] = lse;
     } else {
       float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
-                    c * kVHalf + tig * 2;
+                    c * 16 + tig * 2;
 #pragma unroll
       for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<float2*>(ws_o + nt * 8) = make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
+        *reinterpret_cast<float2*>(ws_o + (nt / 2) * 32 + (nt % 2) * 8) = make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
       float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
       if (c == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
     }
