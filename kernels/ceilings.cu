@@ -548,6 +548,7 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartAlignedFill>("S+PV 8w +xchg +softmax +aligned gather"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync | kPartSwizzle>("S+PV 8w +xchg +softmax +sync, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather | kPartSwizzle>("S+PV 8w +xchg +softmax +gather, swizzled"),
+    inner_loop<8, 18, 32, kLadder | kPartGather | kPartSwizzle>("S+PV 8w +gather, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
     inner_loop<8, 18, 32, kPartGather, 3>("gather only 8w, 3 stages"),
