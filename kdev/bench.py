@@ -548,7 +548,7 @@ def measure_inner_loops(lib, device, peak_flops: float, only: list[str] | None =
                                      ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
             e.record()
             e.synchronize()
-            if st == 3:  # not on this GPU: its buffers exceed the shared memory, or bulk copies before sm_90
+            if st == 3:  # not on this GPU: its buffers exceed the shared memory, or bulk / tensor copies before sm_90
                 break
             if st != 0:
                 raise RuntimeError(f"kdtree_bench_loop({name}): status {st}")

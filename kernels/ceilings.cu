@@ -4,6 +4,7 @@
 // `iters` iterations on register operands; no memory traffic inside the loop. FLOPs = 2*16*8*16 per mma.
 // The result is folded into `sink` so the compiler cannot drop the work. kdev bench --ceilings times it
 // with CUDA events and caches the figure per GPU.
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -82,6 +83,9 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 //   swizzled  rows 1,152 B apart (128-byte aligned fills) and, for conflict-free ldmatrix, chunk ch of row r
 //            stored at (ch & ~7) | ((ch ^ r) & 7) (16-byte chunks, XOR within each 128-byte group); each
 //            half's dims and value columns interleave by 16 so a lane's addresses take 2 swizzled offsets;
+//   +tma     the tile as 9 tensor copies (cp.async.bulk.tensor, boxes of 32 rows x 64 dims, 128-byte swizzle: the
+//            same XOR as `swizzled`, box by box) issued by one warp, completing on an mbarrier per buffer: the
+//            copy engine writes the swizzled layout itself, with no per-thread copy instructions;
 //   +bulk    the same copy as 32 bulk copies (cp.async.bulk, one row each, issued by one warp) that complete
 //            on an mbarrier per buffer: the copy engine instead of 2,304 16-byte cp.async per tile;
 //   gather only: the copy and the barrier with no tensor work: the rate at which L2 feeds the SMs;
@@ -113,8 +117,14 @@ constexpr unsigned kLoopTileBytes = kLoopTileTokens * kLoopStride * 2;
 constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 32 lanes x float4
 enum LoopParts {
   kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
-  kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256, kPartAlignedFill = 512, kPartSwizzle = 1024
+  kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256, kPartAlignedFill = 512, kPartSwizzle = 1024,
+  kPartTensorCopy = 2048
 };
+// The tiled tensor map of the +tma loops' source (32 rows x 64 dims per box, 128-byte swizzle), written by
+// kdtree_bench_loop before their launch; in global memory so that every loop keeps one signature.
+constexpr unsigned kTmaBoxBytes = kLoopTileTokens * 128;  // one box: 32 rows x 64 dims
+constexpr unsigned kTmaTileBytes = 9 * kTmaBoxBytes;       // 576 dims = 9 boxes: 36,864 B, a multiple of 1,024
+__device__ CUtensorMap g_loop_tensor_map;
 
 __device__ __forceinline__ uint32_t loop_pack(float x, float y) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
@@ -158,14 +168,19 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr bool kDoPV = (kParts & kPartPV) != 0, kQShared = (kParts & kPartQShared) != 0;
   constexpr bool kXchg = (kParts & kPartXchg) != 0, kSoftmax = (kParts & kPartSoftmax) != 0;
   constexpr bool kBulk = (kParts & kPartBulk) != 0, kHalf = (kParts & kPartHalfGather) != 0;
-  constexpr bool kAligned = (kParts & kPartAlignedFill) != 0, kSwz = (kParts & kPartSwizzle) != 0;
+  constexpr bool kAligned = (kParts & kPartAlignedFill) != 0, kTma = (kParts & kPartTensorCopy) != 0;
+  constexpr bool kSwz = (kParts & kPartSwizzle) != 0 || kTma, kMbar = kBulk || kTma;
   static_assert(!kSwz || (kKSteps == 18 && kOTiles == 32 && !kQShared), "the swizzled layout is the 8-warp loop's");
-  constexpr int kPitch = kSwz ? kLoopRowBytes : kLoopStride * 2;  // bytes from one KV row to the next
-  constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf || kAligned;
+  // bytes from one KV row to the next, and from one 128-byte group of dims (8 chunks) to the next: the tensor
+  // copies land as 9 boxes of 32 rows x 128 B
+  constexpr int kPitch = kTma ? 128 : kSwz ? kLoopRowBytes : kLoopStride * 2;
+  constexpr int kGroupStep = kTma ? kTmaBoxBytes : 128;
+  constexpr unsigned kStageBytes = kTma ? kTmaTileBytes : kLoopTileBytes;
+  constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf || kAligned || kTma;
   constexpr int kCopyChunks = (kHalf ? kLoopRowBytes / 2 : kLoopRowBytes) / 16;  // 16-byte chunks per row
   constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
-  static_assert(kStages >= 2 && (!kBulk || kStages == 2), "bulk copies use two buffers");
+  static_assert(kStages >= 2 && (!kMbar || kStages == 2), "bulk and tensor copies use two buffers");
   extern __shared__ __align__(16) unsigned char loop_smem[];
   __nv_bfloat16* kv = reinterpret_cast<__nv_bfloat16*>(loop_smem);  // kStages 32-token tiles, as in the flash kernel
   float4* xchg = reinterpret_cast<float4*>(loop_smem + kStages * kLoopTileBytes);  // [8 warps][4 n-tiles][32 lanes]
@@ -173,27 +188,30 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
       static_cast<unsigned>(__cvta_generic_to_shared(loop_smem + kStages * kLoopTileBytes + kLoopXchgBytes));
   loop_fill(kv, kStages * kLoopTileTokens * kLoopStride);
 #if KDTREE_LOOP_BULK
-  if (kBulk && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
+  if (kMbar && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // the bulk copies write through the async proxy what the generic proxy wrote above
-  if constexpr (kBulk) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  if constexpr (kMbar) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, mi = lane / 8;
   const int part = warp / 4;  // which dims (S) and value columns (PV) this warp's loads cover
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(kv));
+  // the 128-byte swizzle of a tensor copy repeats every 1,024 B: its buffers start on a 1,024-byte boundary
+  // (the launch adds 1 KB of room; the tiles still end before the exchange area)
+  const unsigned base = kTma ? (static_cast<unsigned>(__cvta_generic_to_shared(kv)) + 1023u) & ~1023u
+                             : static_cast<unsigned>(__cvta_generic_to_shared(kv));
   const unsigned k_off = (((mi / 2) * 8 + lane % 8) * kLoopStride + part * kKSteps * 16 + (mi % 2) * 8) * 2;
   const unsigned v_off = (((mi % 2) * 8 + lane % 8) * kLoopStride + part * kOTiles * 8 + (mi / 2) * 8) * 2;
   // swizzled: the two halves interleave by 16-dim steps (K: k-step ks of half `part` is chunks 4 ks + 2 part
   // + {0, 1}; V: value-column pair np likewise), so a lane's chunk within its 128-byte group takes two values
   const int swz = lane & 7;  // the row (K and V alike) of this lane's ldmatrix address, mod 8
-  const unsigned k_swz[2] = {(((mi / 2) * 8 + lane % 8) * kLoopRowBytes) + (((2 * part + mi % 2) ^ swz) << 4),
-                             (((mi / 2) * 8 + lane % 8) * kLoopRowBytes) + (((4 + 2 * part + mi % 2) ^ swz) << 4)};
-  const unsigned v_swz[2] = {(((mi % 2) * 8 + lane % 8) * kLoopRowBytes) + (((2 * part + mi / 2) ^ swz) << 4),
-                             (((mi % 2) * 8 + lane % 8) * kLoopRowBytes) + (((4 + 2 * part + mi / 2) ^ swz) << 4)};
+  const unsigned k_swz[2] = {(((mi / 2) * 8 + lane % 8) * kPitch) + (((2 * part + mi % 2) ^ swz) << 4),
+                             (((mi / 2) * 8 + lane % 8) * kPitch) + (((4 + 2 * part + mi % 2) ^ swz) << 4)};
+  const unsigned v_swz[2] = {(((mi % 2) * 8 + lane % 8) * kPitch) + (((2 * part + mi / 2) ^ swz) << 4),
+                             (((mi % 2) * 8 + lane % 8) * kPitch) + (((4 + 2 * part + mi / 2) ^ swz) << 4)};
   const unsigned q_off = ((lane % 16) * kLoopStride + part * kKSteps * 16 + (lane / 16) * 8) * 2;
   // Q fragments read from shared memory once, so they are live registers (as in the flash kernel), not
   // constants the compiler could fold; with kQShared they are re-read by ldmatrix every k-step instead
@@ -210,7 +228,26 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f, total = 0.f;
   auto gather = [&](int t) {  // tile t of this CTA's stream into buffer t % kStages: warp w copies rows w, w+8, ..
     const char* tile_src = loop_tile_src(src, tiles, t, src_tiles);
-    const unsigned dst = base + (t % kStages) * kLoopTileBytes;
+    const unsigned dst = base + (t % kStages) * kStageBytes;
+    if constexpr (kTma) {
+#if KDTREE_LOOP_BULK
+      if (warp == 0) {  // 9 boxes (dims 64j.., all 32 rows), one lane each, completing on the buffer's mbarrier
+        const unsigned bar = full + (t & 1) * 8;
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kTmaTileBytes)
+                       : "memory");
+        __syncwarp();
+        const int row0 = (int)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens;
+        if (lane < 9)
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+              "[%4];\n" ::"r"(dst + lane * kTmaBoxBytes),
+              "l"(reinterpret_cast<uint64_t>(&g_loop_tensor_map)), "r"(lane * 64), "r"(row0), "r"(bar)
+              : "memory");
+      }
+#endif
+      return;
+    }
     if constexpr (kBulk) {
 #if KDTREE_LOOP_BULK
       if (warp == 0) {
@@ -240,8 +277,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   }
 #pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
   for (int t = 0; t < tiles; ++t) {
-    const unsigned tile = base + (t % kStages) * kLoopTileBytes, other = base + ((t + 1) % kStages) * kLoopTileBytes;
-    if constexpr (kBulk) {
+    const unsigned tile = base + (t % kStages) * kStageBytes, other = base + ((t + 1) % kStages) * kStageBytes;
+    if constexpr (kMbar) {
 #if KDTREE_LOOP_BULK
       asm volatile(
           "{\n .reg .pred done;\n wait_%=:\n"
@@ -258,7 +295,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
       // into the buffer of tile t - 1, which every warp has left (the barrier above); an empty group past the
       // end keeps wait_group's count of groups in flight right
       if (t + kStages - 1 < tiles) gather(t + kStages - 1);
-      else if constexpr (!kBulk) asm volatile("cp.async.commit_group;\n" ::);
+      else if constexpr (!kMbar) asm volatile("cp.async.commit_group;\n" ::);
     }
     uint32_t pf[2][4];
     if constexpr (kDoS) {
@@ -273,7 +310,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
           for (int i = 0; i < 4; ++i) bf[i] = bg[i] = qf[kKSteps - 1 - ks][i];
         } else {
-          const unsigned ka = kSwz ? tile + k_swz[ks & 1] + (ks >> 1) * 128 : tile + k_off + ks * 32;
+          const unsigned ka = kSwz ? tile + k_swz[ks & 1] + (ks >> 1) * kGroupStep : tile + k_off + ks * 32;
           ldmatrix_x4(bf, ka);
           ldmatrix_x4(bg, ka + 16 * kPitch);
         }
@@ -351,7 +388,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #pragma unroll
         for (int np = 0; np < kOTiles / 2; ++np) {
           uint32_t bf[4];
-          ldmatrix_x4_trans(bf, kSwz ? tile + kk * 16 * kPitch + v_swz[np & 1] + (np >> 1) * 128 : vrow + np * 32);
+          ldmatrix_x4_trans(bf, kSwz ? tile + kk * 16 * kPitch + v_swz[np & 1] + (np >> 1) * kGroupStep : vrow + np * 32);
           mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
           mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
         }
@@ -511,25 +548,26 @@ struct InnerLoop {
   int warps;         // per CTA, one CTA per SM
   int mma_per_tile;  // per warp
   int copy_bytes;    // read from `src` per CTA per tile: 32 rows of 1,152 B (576 B for the half gather), or 0
-  bool bulk;         // bulk copies: sm_90+
-  int smem_bytes;    // the tile buffers, the S exchange and two mbarriers
+  bool bulk;         // bulk or tensor copies: sm_90+
+  bool tensor_map;   // reads g_loop_tensor_map (kdtree_bench_loop writes it first)
+  int smem_bytes;    // the tile buffers, the S exchange and two mbarriers (+1 KB to align tensor copies)
 };
 
 template <int W, int KS, int OT, int P, int S = 2>
 constexpr InnerLoop inner_loop(const char* name) {
   return {name, inner_loop_kernel<W, KS, OT, P, S>, W,
           ((P & kPartS) || P == kPartRegs ? KS * 4 : 0) + ((P & kPartPV) ? 2 * OT : 0),
-          (P & (kPartGather | kPartBulk | kPartAlignedFill)) ? kLoopTileTokens * kLoopRowBytes
+          (P & (kPartGather | kPartBulk | kPartAlignedFill | kPartTensorCopy)) ? kLoopTileTokens * kLoopRowBytes
           : (P & kPartHalfGather)         ? kLoopTileTokens * kLoopRowBytes / 2
                                           : 0,
-          (P & kPartBulk) != 0,
-          (int)(S * kLoopTileBytes + kLoopXchgBytes + 16)};
+          (P & (kPartBulk | kPartTensorCopy)) != 0, (P & kPartTensorCopy) != 0,
+          (int)(S * kLoopTileBytes + kLoopXchgBytes + 16 + ((P & kPartTensorCopy) ? 1024 : 0))};
 }
 
 template <int P, int S = 2>
 constexpr InnerLoop grouped_loop(const char* name) {
   return {name, grouped_loop_kernel<P, S>, 8, 2 * 9 * 4 + 2 * 8 * 4,
-          (P & kPartGather) ? kLoopTileTokens * kLoopRowBytes : 0, false,
+          (P & kPartGather) ? kLoopTileTokens * kLoopRowBytes : 0, false, false,
           (int)(S * kLoopTileBytes + kGroupPartBytes + kGroupPBytes)};
 }
 
@@ -549,6 +587,8 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartSync | kPartSwizzle>("S+PV 8w +xchg +softmax +sync, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather | kPartSwizzle>("S+PV 8w +xchg +softmax +gather, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartGather | kPartSwizzle>("S+PV 8w +gather, swizzled"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartTensorCopy>("S+PV 8w +xchg +softmax +tma, swizzled"),
+    inner_loop<8, 18, 32, kPartTensorCopy>("tma only 8w"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),
     inner_loop<8, 18, 32, kPartGather, 3>("gather only 8w, 3 stages"),
@@ -578,11 +618,40 @@ int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops 
 // Bytes each CTA copies from global memory per tile (0: the loop works on shared memory only).
 int kdtree_bench_loop_tile_bytes(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].copy_bytes : 0; }
 
+// The +tma loops' tensor map: `src` as `rows` x 576 bf16 (1,152 B apart), boxes of 32 rows x 64 dims, 128-byte
+// swizzle, into g_loop_tensor_map (stream-ordered before the launch). The encoder is a driver function,
+// fetched through the runtime so that the library links no more than cudart. Status as kdtree_bench_loop.
+static int write_loop_tensor_map(const void* src, size_t rows, cudaStream_t stream) {
+  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr)
+    return 3;
+  const cuuint64_t dims[2] = {576, rows}, strides[1] = {kLoopRowBytes};
+  const cuuint32_t box[2] = {64, kLoopTileTokens}, elem_strides[2] = {1, 1};
+  CUtensorMap map;
+  if (reinterpret_cast<EncodeTiled>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(src), dims,
+                                        strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return 1;  // e.g. `src` not 16-byte aligned
+  // the map is copied from host memory before this call returns, so `map` may go out of scope
+  return cudaMemcpyToSymbolAsync(g_loop_tensor_map, &map, sizeof(map), 0, cudaMemcpyHostToDevice, stream) ==
+                 cudaSuccess
+             ? 0
+             : 2;
+}
+
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
 // must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error,
 // 3 this GPU cannot run the loop: its buffers exceed the shared memory per block (the 3- and 4-stage loops
-// on sm_120), or it uses bulk copies and the GPU is older than sm_90.
+// on sm_120), or it uses bulk or tensor copies and the GPU is older than sm_90 (or its driver has no tensor
+// map encoder).
 // FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       cudaStream_t stream) {
@@ -601,6 +670,10 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
   if (smem > opt_in || (loop.bulk && major < 9)) return 3;
   if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
   const int src_tiles = loop.copy_bytes ? (int)(src_bytes / tile_src_bytes) : 1;
+  if (loop.tensor_map) {
+    const int st = write_loop_tensor_map(src, (size_t)src_tiles * kLoopTileTokens, stream);
+    if (st != 0) return st;
+  }
   loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,
                                                          sink);
   return cudaGetLastError() == cudaSuccess ? 0 : 2;
