@@ -101,6 +101,7 @@ namespace {
 using kdtree::ldmatrix_x4;
 using kdtree::ldmatrix_x4_trans;
 using kdtree::mma_bf16;
+using kdtree::quad_row_max;
 
 // Bulk copies, mbarrier transaction counts and the async-proxy fence are sm_90+; on older archs the bulk
 // loops are built without their copies and kdtree_bench_loop refuses them (status 3).
@@ -151,6 +152,17 @@ __device__ __forceinline__ void loop_copy_tile(unsigned dst, const char* tile_sr
                        dst + r * kDstStride + (kSwizzle ? (ch & ~7) | ((ch ^ r) & 7) : ch) * 16),
                    "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
   asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The ring's first kStages - 1 tiles, before the loop; an empty commit group stands for a tile past the end so
+// that cp.async.wait_group's count of groups in flight stays right.
+template <int kStages, typename Gather>
+__device__ __forceinline__ void loop_fill_ring(Gather& gather, int tiles) {
+#pragma unroll
+  for (int st = 0; st + 1 < kStages; ++st) {
+    if (st < tiles) gather(st);
+    else asm volatile("cp.async.commit_group;\n" ::);
+  }
 }
 
 // Fills the tile buffers with small finite values (the loops' operands; what they hold does not matter).
@@ -268,13 +280,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     loop_copy_tile<kWarpsPerCta, kCopyChunks, kAligned || kSwz ? kLoopRowBytes : kLoopStride * 2, kSwz>(dst, tile_src,
                                                                                                   warp, lane);
   };
-  if constexpr (kGather) {
-#pragma unroll
-    for (int st = 0; st + 1 < kStages; ++st) {
-      if (st < tiles) gather(st);
-      else asm volatile("cp.async.commit_group;\n" ::);
-    }
-  }
+  if constexpr (kGather) loop_fill_ring<kStages>(gather, tiles);
 #pragma unroll 1  // one tile per iteration, as in the flash kernel (unrolled, ptxas spills on sm_120)
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t % kStages) * kStageBytes, other = base + ((t + 1) % kStages) * kStageBytes;
@@ -341,16 +347,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
       }
       if constexpr (kSoftmax) {
         float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          mx_lo = fmaxf(mx_lo, fmaxf(sacc[nt][0], sacc[nt][1]));
-          mx_hi = fmaxf(mx_hi, fmaxf(sacc[nt][2], sacc[nt][3]));
-        }
-#pragma unroll
-        for (int off = 1; off <= 2; off *= 2) {
-          mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-          mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-        }
+        quad_row_max(sacc, mx_lo, mx_hi);
         m_lo = mx_lo;
         m_hi = mx_hi;
         float sum_lo = 0.f, sum_hi = 0.f;
@@ -455,13 +452,7 @@ __global__ void __launch_bounds__(256, 1)
     loop_copy_tile<8, kLoopRowBytes / 16>(base + (t % kStages) * kLoopTileBytes, loop_tile_src(src, tiles, t, src_tiles),
                                           warp, lane);
   };
-  if constexpr (kGather) {
-#pragma unroll
-    for (int st = 0; st + 1 < kStages; ++st) {
-      if (st < tiles) gather(st);
-      else asm volatile("cp.async.commit_group;\n" ::);
-    }
-  }
+  if constexpr (kGather) loop_fill_ring<kStages>(gather, tiles);
 #pragma unroll 1
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t % kStages) * kLoopTileBytes;

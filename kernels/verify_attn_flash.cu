@@ -227,16 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
 
     // ---- online softmax in registers (a row's 32 scores live in the 4 threads of a quad)
     float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      mx_lo = fmaxf(mx_lo, fmaxf(sacc[nt][0], sacc[nt][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(sacc[nt][2], sacc[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off *= 2) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-    }
+    quad_row_max(sacc, mx_lo, mx_hi);
     // Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so
     // P = exp2(s - m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies
     // per thread, runs on the few tiles that raise a max (on random scores about once per CTA; rescaling on

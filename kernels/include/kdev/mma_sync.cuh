@@ -27,4 +27,19 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The running max of the two rows of a 16 x 32 score tile held in mma accumulator layout (c0 c1 in row gid,
+// c2 c3 in row gid + 8 of each n-tile): a row's 32 scores sit in the 4 threads of a quad, so 2 shuffles.
+__device__ __forceinline__ void quad_row_max(const float (&acc)[4][4], float& mx_lo, float& mx_hi) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    mx_lo = fmaxf(mx_lo, fmaxf(acc[nt][0], acc[nt][1]));
+    mx_hi = fmaxf(mx_hi, fmaxf(acc[nt][2], acc[nt][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+  }
+}
+
 }  // namespace kdtree
