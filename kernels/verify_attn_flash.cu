@@ -7,7 +7,7 @@
 // How:
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
-// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (90,112 B of dynamic shared memory: fits
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (91,152 B of dynamic shared memory: fits
 //   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
 //   half c = w/4).
 // * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over half the dims (the 16-dim k-steps
@@ -23,22 +23,28 @@
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and the 16-column value blocks 2j + c (j < 16):
 //   128 fp32 accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512
 //   dims).
-// * KV tiles are gathered through the page table with cp.async (16-byte chunks, zero-fill past the end)
-//   into a double buffer: tile i+1 loads while tile i computes. A tile's rows are 1,152 B apart, each on a
-//   128-byte line, and 16-byte chunk ch of row r sits at chunk (ch & ~7) | ((ch ^ r) & 7) (XOR within each
-//   128-byte group): the fills write whole lines (rows padded to 1,168 B for conflict-free ldmatrix cost
-//   2.6 shared-memory wavefronts per 128 B filled, measured; see NOTES.md) and the 8 rows of every ldmatrix
-//   still fall in 8 different banks. Interleaving the halves by 16 dims / columns (above) leaves a lane two
-//   swizzled offsets per tile instead of one per k-step.
+// * KV tiles go into a double buffer (tile i+1 loads while tile i computes) as 9 boxes of 32 rows x 64 dims
+//   (128 B per row), 16-byte chunk c of a box row r stored at chunk c ^ (r & 7): the fills write whole
+//   128-byte lines (rows padded to 1,168 B for conflict-free ldmatrix cost 2.6 shared-memory wavefronts per
+//   128 B filled, measured; see NOTES.md) and the 8 rows of every ldmatrix still fall in 8 different banks.
+//   Interleaving the halves by 16 dims / columns (above) leaves a lane two swizzled offsets per tile
+//   instead of one per k-step.
+// * With pages of >= 32 tokens (sm_90+), a full tile is one page-table lookup and 9 TMA tensor copies (the
+//   box layout above is the hardware's 128-byte swizzle) that complete on an mbarrier: no per-thread copy
+//   instructions. Smaller pages, and a range's last partial tile, gather each row through the page table
+//   with cp.async (16-byte chunks) into the same layout: its zero-fill past the end is needed there (TMA has
+//   none, and the slots past a range may hold NaN, which times P = 0 is NaN).
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
 //   combine kernel merges them weighted by exp(lse_s - lse). The split count depends only on the shapes,
 //   and every reduction runs in a fixed order: the same inputs give the same bits on every run.
 // mma.sync m16n8k16 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "kdev/mma_sync.cuh"
@@ -51,39 +57,61 @@ constexpr int kBlockM = 64;                    // rows (node x head) per CTA
 constexpr int kBlockN = 32;                    // KV tokens per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kKvPitch = KDTREE_QK_DIM * 2;    // 1,152 B from one KV row to the next in shared memory
+constexpr int kBoxDims = 64;                   // dims per 128-byte box row
+constexpr int kBoxes = KDTREE_QK_DIM / kBoxDims;  // 9
+constexpr unsigned kBoxBytes = kBlockN * kBoxDims * 2;  // 4,096 B: one box of the tile
 constexpr int kKSteps = KDTREE_QK_DIM / 32;    // 18 k-steps of 16 dims per S warp (every other one)
 constexpr int kVTiles = KDTREE_V_DIM / 2 / 8;  // 32 n-tiles of 8 value columns per PV warp
 constexpr int kChunksPerRow = KDTREE_QK_DIM / 8;  // 72 x 16-byte chunks per KV row
-constexpr unsigned kBufBytes = kBlockN * kKvPitch;  // one KV buffer
+constexpr unsigned kBufBytes = kBoxes * kBoxBytes;  // one KV buffer: 36,864 B, a multiple of 1,024
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
-struct __align__(128) SharedStorage {  // 128: every KV row on a 128-byte line
-  __nv_bfloat16 kv[2][kBlockN][KDTREE_QK_DIM];  // 73,728 B: double-buffered KV tile, chunks swizzled
-  float4 s_part[kWarps][4][32];             // 16,384 B: each warp's half-dim partial scores, fragment order
+// The 128-byte swizzle repeats every 1,024 B: the storage starts on a 1,024-byte boundary.
+struct __align__(1024) SharedStorage {
+  __nv_bfloat16 kv[2][kBoxes][kBlockN][kBoxDims];  // 73,728 B: double-buffered KV tile, boxes, chunks swizzled
+  float4 s_part[kWarps][4][32];                    // 16,384 B: each warp's half-dim partial scores, fragment order
+  uint64_t landed[2];                              // TMA: one mbarrier per KV buffer
 };
+constexpr int kSmemBytes = (int)sizeof(SharedStorage);
 
 // sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
-static_assert(sizeof(SharedStorage) <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
+static_assert(kSmemBytes <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// Tensor copies, mbarrier transaction counts and the async-proxy fence are sm_90+ (sm_120 has them too); an
+// sm_80 build has only the cp.async path, and the launch never picks the other there.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define KDTREE_FLASH_TMA 1
+#else
+#define KDTREE_FLASH_TMA 0
+#endif
+
+__device__ __forceinline__ void cp_async_16(unsigned s, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Where 16-byte chunk `ch` of KV row `r` sits in its shared-memory row (the swizzle described above).
-__device__ __forceinline__ int kv_chunk(int r, int ch) { return (ch & ~7) | ((ch ^ r) & 7); }
+// Byte offset of 16-byte chunk `ch` (of 72) of KV row `r` in a buffer: box ch / 8, row r, chunk (ch ^ r) & 7.
+__device__ __forceinline__ unsigned kv_chunk_offset(int r, int ch) {
+  return (ch >> 3) * kBoxBytes + r * 128 + (((ch ^ r) & 7) << 4);
+}
 
 __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* ptr, bool valid) {
   return valid ? *reinterpret_cast<const uint32_t*>(ptr) : 0u;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAttnParams p, int num_splits) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+template <bool kTensorCopy>
+__global__ void __launch_bounds__(kThreads, 1)
+    verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, const __grid_constant__ CUtensorMap kv_map) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+#if !KDTREE_FLASH_TMA
+  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
+#endif
+  // the dynamic shared memory starts at the declared 1,024-byte alignment (nothing static precedes it); a
+  // misplaced base would break the swizzle silently, so it traps instead
+  if (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) & 1023u) __trap();
   SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -110,9 +138,43 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
   const int page_shift = __ffs(p.page_size) - 1;  // page sizes are powers of two (checked in capi.cu)
   const int page_mask = p.page_size - 1;
 
-  // KV gather: warp w copies rows w, w+8, w+16, w+24 of the tile; one page-table lookup per row (the
-  // same address for the whole warp), 72 x 16-byte chunks per row over the 32 lanes.
+  const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
+  const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
+#if KDTREE_FLASH_TMA
+  if (kTensorCopy) {
+    if (tid == 0) {  // one arrival (the expect-tx) per fill
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed + 8) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // every warp waits on these barriers
+  }
+#endif
+
+  // KV gather. Tensor copies: warp 0 looks the tile's page up once (the tile lies in one page: pages hold
+  // >= 32 tokens and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box
+  // each. cp.async: warp w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for
+  // the whole warp), 72 x 16-byte chunks per row over the 32 lanes.
   auto load_tile = [&](int buf, int start) {
+    if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
+#if KDTREE_FLASH_TMA
+      if (warp == 0) {
+        const unsigned bar = landed + buf * 8;
+        if (lane == 0)
+          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kBufBytes) : "memory");
+        __syncwarp();
+        if (lane < kBoxes) {
+          const int row = (page_row[start >> page_shift] << page_shift) + (start & page_mask);
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+              "[%4];\n" ::"r"(kv_smem + buf * kBufBytes + lane * kBoxBytes),
+              "l"(reinterpret_cast<uint64_t>(&kv_map)), "r"(lane * kBoxDims), "r"(row), "r"(bar)
+              : "memory");
+        }
+      }
+#endif
+      return;
+    }
 #pragma unroll
     for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
       const int r = warp + rr * kWarps;
@@ -122,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
       if (ok) src = kv + (((size_t)page_row[pos >> page_shift] << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM;
 #pragma unroll
       for (int ch = lane; ch < kChunksPerRow; ch += 32)
-        cp_async_16(&sm.kv[buf][r][kv_chunk(r, ch) * 8], src + ch * 8, ok ? 16 : 0);
+        cp_async_16(kv_smem + buf * kBufBytes + kv_chunk_offset(r, ch), src + ch * 8, ok ? 16 : 0);
     }
     cp_async_commit();
   };
@@ -152,20 +214,33 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
   const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
   const float scale_log2 = p.scale * kLog2e;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-  // Per-lane byte offsets of the ldmatrix rows inside a KV buffer, for the even k-steps / column pairs (see
+  // Per-lane byte offsets of the ldmatrix rows inside a KV box, for the even k-steps / column pairs (see
   // the fragment maps of m16n8k16). K k-step ks of half c is chunks 4ks + 2c + {0, 1} (matrix mi % 2), V
-  // column pair np is chunks 4np + 2c + {0, 1} (matrix mi / 2): within a 128-byte group, chunk 4 (ks & 1)
-  // + a with a < 4, so the odd steps' offset is the even one's with bit 6 flipped ((4 + a) ^ x = (a ^ x) ^ 4).
-  // Every ldmatrix row of a lane is = lane (mod 8), which is what the swizzle XORs with.
+  // column pair np is chunks 4np + 2c + {0, 1} (matrix mi / 2): box ks / 2 (np / 2), chunk 4 (ks & 1) + a
+  // with a < 4 in it, so the odd steps' offset is the even one's with bit 6 flipped ((4 + a) ^ x =
+  // (a ^ x) ^ 4). Every ldmatrix row of a lane is = lane (mod 8), which is what the swizzle XORs with.
   const int mi = lane / 8;
-  const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0]));
-  const unsigned k_lane_off = ((mi / 2) * 8 + lane % 8) * kKvPitch + (((2 * c + mi % 2) ^ (lane % 8)) << 4);
-  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * kKvPitch + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
+  const unsigned k_lane_off = ((mi / 2) * 8 + lane % 8) * 128 + (((2 * c + mi % 2) ^ (lane % 8)) << 4);
+  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * 128 + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
 
   for (int it = 0; it < num_tiles; ++it) {
     const int buf = it & 1;
     const int start = kv_begin + it * kBlockN;
-    cp_async_wait_all();
+    if (kTensorCopy && start + kBlockN <= kv_end) {
+#if KDTREE_FLASH_TMA
+      // buffer `buf` is filled for the (it / 2)-th time, every earlier fill of it a tensor copy too (only the
+      // last tile can be partial): wait for that phase of its barrier. (The loop is in C++, not in the asm: with
+      // the branch inside the asm, ptxas spilled 4-8 B on sm_90.)
+      for (uint32_t done = 0; !done;)
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(landed + buf * 8), "r"((it >> 1) & 1)
+            : "memory");
+#endif
+    } else {
+      cp_async_wait_all();
+    }
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
     if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
 
@@ -179,9 +254,9 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t bf[4], bg[4];
-        const unsigned ka = kbuf + (ks >> 1) * 128 + (k_lane_off ^ ((ks & 1) << 6));
+        const unsigned ka = kbuf + (ks >> 1) * kBoxBytes + (k_lane_off ^ ((ks & 1) << 6));
         ldmatrix_x4(bf, ka);
-        ldmatrix_x4(bg, ka + 16 * kKvPitch);
+        ldmatrix_x4(bg, ka + 16 * 128);
         mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
         mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
         mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
@@ -279,11 +354,11 @@ __global__ void __launch_bounds__(kThreads, 1) verify_attn_flash_kernel(VerifyAt
     // ---- O[16 rows, 256 columns of half c] += P[16, 32] . V[32, 256]
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * kKvPitch;
+      const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * 128;
 #pragma unroll
       for (int np = 0; np < kVTiles / 2; ++np) {
         uint32_t bf[4];
-        ldmatrix_x4_trans(bf, vbuf + (np >> 1) * 128 + (v_lane_off ^ ((np & 1) << 6)));
+        ldmatrix_x4_trans(bf, vbuf + (np >> 1) * kBoxBytes + (v_lane_off ^ ((np & 1) << 6)));
         mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
         mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
       }
@@ -387,12 +462,44 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   return plan;
 }
 
+// The KV pool as a 2-D tensor (num_pages * page_size rows of 576 bf16, 1,152 B apart) read in boxes of 32 rows
+// x 64 dims with the 128-byte swizzle, for the tensor-copy path. False when it cannot be used: pages of fewer
+// than 32 tokens (a tile would span pages), a GPU before sm_90, no encoder in the driver, or a pool the
+// encoder refuses (e.g. not 16-byte aligned); the cp.async path then runs.
+static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
+  int dev = 0, major = 0;
+  if (p.page_size < kBlockN || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9)
+    return false;
+  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static EncodeTiled encode = [] {  // fetched once through the runtime: the library links no more than cudart
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    return cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                       cudaSuccess &&
+                   found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<EncodeTiled>(fn)
+               : nullptr;
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {KDTREE_QK_DIM, (cuuint64_t)p.num_pages * p.page_size};
+  const cuuint64_t strides[1] = {KDTREE_QK_DIM * 2};
+  const cuuint32_t box[2] = {kBoxDims, kBlockN}, elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.kv_cache), dims, strides, box,
+                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
-  const int smem = (int)sizeof(SharedStorage);
-  cudaError_t err = cudaFuncSetAttribute(verify_attn_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  CUtensorMap kv_map{};
+  const bool tensor_copy = encode_kv_map(p, &kv_map);
+  const auto kernel = tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  verify_attn_flash_kernel<<<grid, kThreads, smem, stream>>>(p, plan.num_splits);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.num_splits == 1) return err;
   verify_attn_combine_kernel<<<(unsigned)((size_t)p.total_q * p.num_heads), kCombineThreads, 0, stream>>>(
