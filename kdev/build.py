@@ -148,7 +148,8 @@ def demangle(names: list[str]) -> dict[str, str]:
         if r.returncode == 0 and len(r.stdout.splitlines()) == len(names):
             demangled = r.stdout.splitlines()
     for raw, nice in zip(names, demangled):
-        nice = nice.replace("(anonymous namespace)::", "").split("(")[0]
+        # a template kernel demangles with its return type ("void kdtree::k<true>(...)"); kernels return void
+        nice = nice.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
         out[raw] = nice.removeprefix("kdtree::")
     return out
 

@@ -4,12 +4,12 @@
 // `iters` iterations on register operands; no memory traffic inside the loop. FLOPs = 2*16*8*16 per mma.
 // The result is folded into `sink` so the compiler cannot drop the work. kdev bench --ceilings times it
 // with CUDA events and caches the figure per GPU.
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kdev/kv_tensor_map.cuh"
 #include "kdev/mma_sync.cuh"
 
 namespace {
@@ -610,26 +610,11 @@ int kdtree_bench_loop_mma_per_tile(int i) { return i >= 0 && i < kNumInnerLoops 
 int kdtree_bench_loop_tile_bytes(int i) { return i >= 0 && i < kNumInnerLoops ? kInnerLoops[i].copy_bytes : 0; }
 
 // The +tma loops' tensor map: `src` as `rows` x 576 bf16 (1,152 B apart), boxes of 32 rows x 64 dims, 128-byte
-// swizzle, into g_loop_tensor_map (stream-ordered before the launch). The encoder is a driver function,
-// fetched through the runtime so that the library links no more than cudart. Status as kdtree_bench_loop.
+// swizzle (encode_kv_tensor_map, as the flash kernel), into g_loop_tensor_map (stream-ordered before the
+// launch). Status as kdtree_bench_loop.
 static int write_loop_tensor_map(const void* src, size_t rows, cudaStream_t stream) {
-  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || fn == nullptr)
-    return 3;
-  const cuuint64_t dims[2] = {576, rows}, strides[1] = {kLoopRowBytes};
-  const cuuint32_t box[2] = {64, kLoopTileTokens}, elem_strides[2] = {1, 1};
   CUtensorMap map;
-  if (reinterpret_cast<EncodeTiled>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(src), dims,
-                                        strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-    return 1;  // e.g. `src` not 16-byte aligned
+  if (!kdtree::encode_kv_tensor_map(src, rows, kLoopTileTokens, &map)) return 3;  // no encoder, or `src` refused
   // the map is copied from host memory before this call returns, so `map` may go out of scope
   return cudaMemcpyToSymbolAsync(g_loop_tensor_map, &map, sizeof(map), 0, cudaMemcpyHostToDevice, stream) ==
                  cudaSuccess
@@ -642,7 +627,7 @@ static int write_loop_tensor_map(const void* src, size_t rows, cudaStream_t stre
 // must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error,
 // 3 this GPU cannot run the loop: its buffers exceed the shared memory per block (the 3- and 4-stage loops
 // on sm_120), or it uses bulk or tensor copies and the GPU is older than sm_90 (or its driver has no tensor
-// map encoder).
+// map encoder, or the encoder refuses `src`, e.g. not 16-byte aligned).
 // FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       cudaStream_t stream) {

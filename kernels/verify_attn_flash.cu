@@ -39,7 +39,6 @@
 //   combine kernel merges them weighted by exp(lse_s - lse). The split count depends only on the shapes,
 //   and every reduction runs in a fixed order: the same inputs give the same bits on every run.
 // mma.sync m16n8k16 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -47,6 +46,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kdev/kv_tensor_map.cuh"
 #include "kdev/mma_sync.cuh"
 #include "kdev/verify_attn.cuh"
 
@@ -57,7 +57,7 @@ constexpr int kBlockM = 64;                    // rows (node x head) per CTA
 constexpr int kBlockN = 32;                    // KV tokens per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kBoxDims = 64;                   // dims per 128-byte box row
+constexpr int kBoxDims = kKvBoxDims;           // dims per 128-byte box row
 constexpr int kBoxes = KDTREE_QK_DIM / kBoxDims;  // 9
 constexpr unsigned kBoxBytes = kBlockN * kBoxDims * 2;  // 4,096 B: one box of the tile
 constexpr int kKSteps = KDTREE_QK_DIM / 32;    // 18 k-steps of 16 dims per S warp (every other one)
@@ -471,25 +471,7 @@ static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
   if (p.page_size < kBlockN || cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9)
     return false;
-  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static EncodeTiled encode = [] {  // fetched once through the runtime: the library links no more than cudart
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    return cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
-                       cudaSuccess &&
-                   found == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<EncodeTiled>(fn)
-               : nullptr;
-  }();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {KDTREE_QK_DIM, (cuuint64_t)p.num_pages * p.page_size};
-  const cuuint64_t strides[1] = {KDTREE_QK_DIM * 2};
-  const cuuint32_t box[2] = {kBoxDims, kBlockN}, elem_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p.kv_cache), dims, strides, box,
-                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode_kv_tensor_map(p.kv_cache, (uint64_t)p.num_pages * p.page_size, kBlockN, map);
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {

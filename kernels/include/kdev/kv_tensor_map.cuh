@@ -1,0 +1,42 @@
+// Host side of the tensor-copy (TMA) path: KV rows of 576 bf16, 1,152 B apart, described as a 2-D tensor that
+// the copy engine reads in boxes of `box_rows` rows x 64 dims (128 B) with the 128-byte swizzle. Shared by the
+// flash kernel and the loop ladder (ceilings.cu), so that the rung times the same copies the kernel issues.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder is fetched through the runtime
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kdtree {
+
+constexpr unsigned kKvRowDims = 576;       // one KV row: 512 latent + 64 RoPE
+constexpr unsigned kKvBoxDims = 64;        // one box row is 128 B, the swizzle's span
+
+// Encodes `rows` KV rows at `base` into `map`. False when the driver has no encoder or refuses the tensor
+// (e.g. `base` not 16-byte aligned). The encoder is a driver function, fetched once through the runtime, so
+// that the library links no more than cudart. The map is a plain 128-byte value: pass it as a __grid_constant__
+// kernel parameter or copy it to a __constant__ symbol.
+inline bool encode_kv_tensor_map(const void* base, uint64_t rows, uint32_t box_rows, CUtensorMap* map) {
+  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    return cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+                       cudaSuccess &&
+                   found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<EncodeTiled>(fn)
+               : nullptr;
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {kKvRowDims, rows};
+  const cuuint64_t strides[1] = {kKvRowDims * 2};
+  const cuuint32_t box[2] = {kKvBoxDims, box_rows}, elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace kdtree
