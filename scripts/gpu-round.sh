@@ -5,7 +5,7 @@
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
-#                               [--profile-only] [--step-timeout SECONDS]
+#                               [--profile-only] [--kernel-times SWEEP] [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -16,6 +16,10 @@
 # metrics in one text file, to stay within the files a round returns): two rungs one piece apart say what that
 # piece costs where.
 # --profile-only: build and the profiles, nothing else.
+# --kernel-times targets: every flash and combine launch of `kdev bench --sweep targets --backend flash`
+# under Nsight Compute with one metric (GPU time; caches flushed before each launch, clocks left alone), and
+# the median per kernel and grid into kernel-times.txt: what the split-KV combine and the launch gap cost
+# beside the main kernel at each shape.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -24,7 +28,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG= KERNEL_TIMES=
 while [ $# -gt 0 ]; do
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
@@ -39,6 +43,7 @@ while [ $# -gt 0 ]; do
     --profile) PROFILES+=("$2"); shift 2 ;;
     --profile-loop) LOOP_PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
+    --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -100,6 +105,13 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --page raw --csv > "$OUT/$name-raw.csv" 2>&1
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
+if [ -n "$KERNEL_TIMES" ]; then
+  step kernel-times ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$OUT/kernel-times.csv" \
+    python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash
+  python3 scripts/kernel_times.py "$OUT/kernel-times.csv" > "$OUT/kernel-times.txt" 2>&1
+  tail -n 30 "$OUT/kernel-times.txt"
+fi
 for loop in "${LOOP_PROFILES[@]}"; do
   name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"
   rep="$(mktemp -d)/$name"
