@@ -106,10 +106,11 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
 if [ -n "$KERNEL_TIMES" ]; then
+  times_csv="$(mktemp -d)/kernel-times.csv"  # one row per launch: only the summary comes back
   step kernel-times ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$OUT/kernel-times.csv" \
+    --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$times_csv" \
     python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash
-  python3 scripts/kernel_times.py "$OUT/kernel-times.csv" > "$OUT/kernel-times.txt" 2>&1
+  python3 scripts/kernel_times.py "$times_csv" > "$OUT/kernel-times.txt" 2>&1
   tail -n 30 "$OUT/kernel-times.txt"
 fi
 for loop in "${LOOP_PROFILES[@]}"; do
