@@ -79,12 +79,13 @@ constexpr int kSmemBytes = (int)sizeof(SharedStorage);
 // sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
 static_assert(kSmemBytes <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
 
-// Tensor copies, mbarrier transaction counts and the async-proxy fence are sm_90+ (sm_120 has them too); an
-// sm_80 build has only the cp.async path, and the launch never picks the other there.
+// Tensor copies, mbarrier transaction counts, the async-proxy fence and the programmatic launch of the combine
+// kernel (griddepcontrol) are sm_90+ (sm_120 has them too); an sm_80 build has only the cp.async path and a
+// plain combine launch, and the host never picks the others there.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define KDTREE_FLASH_TMA 1
+#define KDTREE_FLASH_SM90 1
 #else
-#define KDTREE_FLASH_TMA 0
+#define KDTREE_FLASH_SM90 0
 #endif
 
 __device__ __forceinline__ void cp_async_16(unsigned s, const void* gmem, int src_bytes) {
@@ -106,7 +107,7 @@ template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-#if !KDTREE_FLASH_TMA
+#if !KDTREE_FLASH_SM90
   if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
 #endif
   // the dynamic shared memory starts at the declared 1,024-byte alignment (nothing static precedes it); a
@@ -121,6 +122,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int R = T * H;
   const int row0 = m_tile * kBlockM;
   if (row0 >= R) return;  // this request has fewer row tiles than the largest one
+#if KDTREE_FLASH_SM90
+  // The combine kernel may launch once every CTA of this grid has started (or exited): its CTAs then take each
+  // SM this grid leaves and wait there (griddepcontrol.wait) for the whole grid's writes, so the launch gap
+  // between the two kernels is spent while the last tiles run. A no-op without a dependent launch.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int L = p.prefix_lens[b];
   const int kv_len = L + T;
   int chunk = (kv_len + num_splits - 1) / num_splits;
@@ -140,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
   const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
-#if KDTREE_FLASH_TMA
+#if KDTREE_FLASH_SM90
   if (kTensorCopy) {
     if (tid == 0) {  // one arrival (the expect-tx) per fill
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed) : "memory");
@@ -157,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the whole warp), 72 x 16-byte chunks per row over the 32 lanes.
   auto load_tile = [&](int buf, int start) {
     if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
-#if KDTREE_FLASH_TMA
+#if KDTREE_FLASH_SM90
       if (warp == 0) {
         const unsigned bar = landed + buf * 8;
         if (lane == 0)
@@ -227,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int buf = it & 1;
     const int start = kv_begin + it * kBlockN;
     if (kTensorCopy && start + kBlockN <= kv_end) {
-#if KDTREE_FLASH_TMA
+#if KDTREE_FLASH_SM90
       // buffer `buf` is filled for the (it / 2)-th time, every earlier fill of it a tensor copy too (only the
       // last tile can be partial): wait for that phase of its barrier. (The loop is in C++, not in the asm: with
       // the branch inside the asm, ptxas spilled 4-8 B on sm_90.)
@@ -395,42 +402,86 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s, splits in order.
-constexpr int kCombineThreads = 128;
+// Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row.
+// Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in shared memory; then kGroups groups of 128
+// threads each sum every kGroups-th split's partial over 4 columns per thread (their addresses depend on
+// nothing loaded, so several loads are in flight), and group 0 adds the groups' sums in order. Every
+// reduction has a fixed order (the butterflies give every lane the same bits): the same output on every run.
+// (The first form, one 128-thread CTA per row walking the splits with each load behind the previous one's
+// weight, took 10-20 µs per call at the target shapes: NOTES.md.)
+constexpr int kCombineColumnThreads = KDTREE_V_DIM / 4;  // 128: 4 value columns each
+constexpr int kMaxSplits = 64;                           // plan_verify_attn_flash caps the split count there
 
-__global__ void __launch_bounds__(kCombineThreads) verify_attn_combine_kernel(VerifyAttnParams p, int num_splits) {
+template <int kGroups>
+__global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
+    verify_attn_combine_kernel(VerifyAttnParams p, int num_splits) {
+#if KDTREE_FLASH_SM90
+  // launched programmatically behind the flash kernel (sm_90+): wait until its writes are complete and visible
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  __shared__ float weight[kMaxSplits];
+  __shared__ float row_lse;
+  __shared__ float4 group_sum[kGroups > 1 ? kGroups - 1 : 1][kCombineColumnThreads];
   const size_t rows_total = (size_t)p.total_q * p.num_heads;
   const size_t row = blockIdx.x;
   const float* ws_o = static_cast<const float*>(p.workspace);
   const float* ws_lse = ws_o + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-  float m = -INFINITY;
-  // unrolled: the loads of several splits are in flight at once instead of one L2 round trip each
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) m = fmaxf(m, ws_lse[s * rows_total + row]);
-  float total = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) {
-    const float ls = ws_lse[s * rows_total + row];
-    total += ls == -INFINITY ? 0.f : expf(ls - m);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const float l0 = lane < num_splits ? ws_lse[lane * rows_total + row] : -INFINITY;
+    const float l1 = lane + 32 < num_splits ? ws_lse[(lane + 32) * rows_total + row] : -INFINITY;
+    float m = fmaxf(l0, l1);
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    // a split with no key for this row (empty range or all masked) has lse = -inf and weight 0
+    float total = (l0 == -INFINITY ? 0.f : expf(l0 - m)) + (l1 == -INFINITY ? 0.f : expf(l1 - m));
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
+    const float lse = m == -INFINITY ? -INFINITY : m + logf(total);
+    weight[lane] = l0 == -INFINITY ? 0.f : expf(l0 - lse);
+    weight[lane + 32] = l1 == -INFINITY ? 0.f : expf(l1 - lse);
+    if (lane == 0) row_lse = lse;
   }
-  const float lse = m == -INFINITY ? -INFINITY : m + logf(total);
+  __syncthreads();
+  const int group = threadIdx.x / kCombineColumnThreads, t = threadIdx.x % kCombineColumnThreads;
+  const float* col = ws_o + row * KDTREE_V_DIM + t * 4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int col = threadIdx.x * 4;
-#pragma unroll 8
-  for (int s = 0; s < num_splits; ++s) {
-    const float ls = ws_lse[s * rows_total + row];
-    if (ls == -INFINITY) continue;
-    const float w = expf(ls - lse);
-    const float4 v = *reinterpret_cast<const float4*>(ws_o + (s * rows_total + row) * KDTREE_V_DIM + col);
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+  // batches of kBatch splits, loads unpredicated (ptxas still interleaves them with the FMAs, 3 in flight)
+  constexpr int kBatch = 8;
+  for (int s0 = group; s0 < num_splits; s0 += kBatch * kGroups) {
+    float4 v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {  // past the last split: a valid address again, at weight 0 (below)
+      const int s = min(s0 + i * kGroups, num_splits - 1);
+      v[i] = *reinterpret_cast<const float4*>(col + s * rows_total * KDTREE_V_DIM);
+    }
+    // no branch on the weight: a weight-0 split's partial is finite (every split writes one for every row,
+    // zeros where it saw no key), so it adds exactly 0
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int s = s0 + i * kGroups;
+      const float w = s < num_splits ? weight[s] : 0.f;
+      acc.x = fmaf(w, v[i].x, acc.x);
+      acc.y = fmaf(w, v[i].y, acc.y);
+      acc.z = fmaf(w, v[i].z, acc.z);
+      acc.w = fmaf(w, v[i].w, acc.w);
+    }
   }
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * KDTREE_V_DIM + col;
+  if (group > 0) group_sum[group - 1][t] = acc;
+  __syncthreads();
+  if (group > 0) return;
+#pragma unroll
+  for (int g = 1; g < kGroups; ++g) {
+    const float4 v = group_sum[g - 1][t];
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  }
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * KDTREE_V_DIM + t * 4;
   *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x, acc.y);
   *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z, acc.w);
-  if (threadIdx.x == 0) p.lse[row] = lse;
+  if (t == 0) p.lse[row] = row_lse;
 }
 
 }  // namespace
@@ -445,7 +496,7 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   // (8 tiles) per split. (v2 used waves / s + 0.01 (s - 1), which under-split: see NOTES.md.)
   const double tiles = (double)p.max_kv_len / kBlockN;
   const int by_len = (p.max_kv_len + 255) / 256;
-  const int max_splits = by_len < 64 ? by_len : 64;
+  const int max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
   int splits = 1;
   double best = 1e300;
   for (int s = 1; s <= max_splits; ++s) {
@@ -464,29 +515,46 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
 
 // The KV pool as a 2-D tensor (num_pages * page_size rows of 576 bf16, 1,152 B apart) read in boxes of 32 rows
 // x 64 dims with the 128-byte swizzle, for the tensor-copy path. False when it cannot be used: pages of fewer
-// than 32 tokens (a tile would span pages), a GPU before sm_90, no encoder in the driver, or a pool the
-// encoder refuses (e.g. not 16-byte aligned); the cp.async path then runs.
+// than 32 tokens (a tile would span pages), no encoder in the driver, or a pool the encoder refuses (e.g. not
+// 16-byte aligned); the cp.async path then runs.
 static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
-  int dev = 0, major = 0;
-  if (p.page_size < kBlockN || cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9)
-    return false;
-  return encode_kv_tensor_map(p.kv_cache, (uint64_t)p.num_pages * p.page_size, kBlockN, map);
+  return p.page_size >= kBlockN &&
+         encode_kv_tensor_map(p.kv_cache, (uint64_t)p.num_pages * p.page_size, kBlockN, map);
+}
+
+template <int kGroups>
+static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, bool programmatic, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3((unsigned)((size_t)p.total_q * p.num_heads));
+  cfg.blockDim = dim3(kGroups * kCombineColumnThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, verify_attn_combine_kernel<kGroups>, p, num_splits);
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  int dev = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err != cudaSuccess) return err;
+  const bool sm90 = major >= 9;  // tensor copies and the programmatic combine launch
   CUtensorMap kv_map{};
-  const bool tensor_copy = encode_kv_map(p, &kv_map);
+  const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
   const auto kernel = tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.num_splits == 1) return err;
-  verify_attn_combine_kernel<<<(unsigned)((size_t)p.total_q * p.num_heads), kCombineThreads, 0, stream>>>(
-      p, plan.num_splits);
-  return cudaGetLastError();
+  // four groups of splits per row once there are enough splits to share; two below that
+  err = plan.num_splits >= 4 ? launch_combine<4>(p, plan.num_splits, sm90, stream)
+                             : launch_combine<2>(p, plan.num_splits, sm90, stream);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace kdtree
