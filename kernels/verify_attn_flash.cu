@@ -537,9 +537,11 @@ static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, boo
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
-  int dev = 0, major = 0;
+  int dev = 0, major = 0, sms = 0, threads_per_sm = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
   if (err != cudaSuccess) return err;
   const bool sm90 = major >= 9;  // tensor copies and the programmatic combine launch
   CUtensorMap kv_map{};
@@ -551,9 +553,15 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.num_splits == 1) return err;
-  // four groups of splits per row once there are enough splits to share; two below that
-  err = plan.num_splits >= 4 ? launch_combine<4>(p, plan.num_splits, sm90, stream)
-                             : launch_combine<2>(p, plan.num_splits, sm90, stream);
+  // Groups of splits per row: as few as fill the GPU's threads (1, 2 or 4, at most the split count). Few rows
+  // (T x H small) need the groups to have loads enough in flight; with many rows, groups only add the
+  // shared-memory sum and its barrier (measured: NOTES.md, flash v13).
+  const long rows = (long)p.total_q * p.num_heads, want = (long)sms * threads_per_sm;
+  int groups = 1;
+  while (groups < 4 && 2 * groups <= plan.num_splits && rows * kCombineColumnThreads * groups < want) groups *= 2;
+  err = groups == 4   ? launch_combine<4>(p, plan.num_splits, sm90, stream)
+        : groups == 2 ? launch_combine<2>(p, plan.num_splits, sm90, stream)
+                      : launch_combine<1>(p, plan.num_splits, sm90, stream);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
