@@ -24,7 +24,7 @@ def main(path: str) -> int:
         if scale is None:
             print(f"unknown unit {row.get('Metric Unit')!r} in {path}", file=sys.stderr)
             return 1
-        name = row["Kernel Name"].replace("(anonymous namespace)::", "").split("(")[0]
+        name = row["Kernel Name"].replace("(anonymous namespace)::", "").replace("<unnamed>::", "").split("(")[0]
         name = name.removeprefix("void ").removeprefix("kdtree::")
         value = float(row["Metric Value"].replace(",", ""))
         groups.setdefault((name, row["Grid Size"]), []).append(value * scale)
