@@ -81,6 +81,25 @@ def test_flash_split_kv_long_prefix_and_determinism(lib):
         assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
 
 
+@pytest.mark.parametrize("nodes,heads", [(17, 8), (97, 16), (65, 64)])
+def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
+    """136, 1,552 and 4,160 rows, every one split over the KV range: the combine kernel sums each row's splits
+    with 4, 2 or 1 groups of threads depending on how many rows there are to fill the GPU (on an H200 these
+    three shapes take one form each). Every form must match float64 and give the same bits on every run."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    spec = config.CaseSpec(name=f"combine-n{nodes}-h{heads}", prefix_lens=(30000,),
+                           tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
+                           model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    out0, lse0 = lib.alloc_outputs(x)
+    assert lib.flash_splits(lib.params(x, out0, lse0)) > 1
+    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
+    again, again_lse = lib.run("flash", x)
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+    assert torch.equal(again_lse, first_lse)
+
+
 def test_limits_t1025_and_h64(lib):
     for spec in [
         config.CaseSpec("t1025", (3000,), config.TreeSpec("random", nodes=1025), 8, 1, 77, "kimi-k2.6",
