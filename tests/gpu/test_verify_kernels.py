@@ -186,12 +186,15 @@ def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
 
 def test_verify_kernels_replay_from_a_cuda_graph(lib):
     """The ABI allocates nothing and never syncs, so a call can be captured once and replayed (how SGLang
-    runs decode). Bounds are computed before the capture: params() reads q_indptr on the host."""
+    runs decode). Bounds are computed before the capture: params() reads q_indptr on the host. The flash call
+    splits the KV range here, so the graph holds the combine kernel's programmatic launch too."""
     suite, entry, t, x = _smoke_case(4)
     for kernel in KERNELS:
         direct, _ = lib.run(kernel, x)
         out, lse = lib.alloc_outputs(x)
         p = lib.params(x, out, lse)
+        if kernel == "flash":
+            assert lib.flash_splits(p) > 1
         ws = lib.alloc_workspace(kernel, p, x.q.device)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
