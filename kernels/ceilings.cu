@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kdev/kv_tensor_map.cuh"
+#include "kdev/mbarrier.cuh"
 #include "kdev/mma_sync.cuh"
 
 namespace {
@@ -99,6 +100,7 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 namespace {
 
 using kdtree::ldmatrix_x4;
+using kdtree::mbarrier_wait_parity;
 using kdtree::ldmatrix_x4_trans;
 using kdtree::mma_bf16;
 using kdtree::quad_row_max;
@@ -119,7 +121,7 @@ constexpr unsigned kLoopXchgBytes = 8 * 4 * 32 * 16;  // 8 warps x 4 n-tiles x 3
 enum LoopParts {
   kPartRegs = 0, kPartS = 1, kPartPV = 2, kPartQShared = 4, kPartXchg = 8, kPartSoftmax = 16, kPartSync = 32,
   kPartGather = 64, kPartBulk = 128, kPartHalfGather = 256, kPartAlignedFill = 512, kPartSwizzle = 1024,
-  kPartTensorCopy = 2048
+  kPartTensorCopy = 2048, kPartConsumed = 4096
 };
 // The tiled tensor map of the +tma loops' source (32 rows x 64 dims per box, 128-byte swizzle), written by
 // kdtree_bench_loop before their launch; in global memory so that every loop keeps one signature.
@@ -153,6 +155,7 @@ __device__ __forceinline__ void loop_copy_tile(unsigned dst, const char* tile_sr
                    "l"(tile_src + (size_t)r * kLoopRowBytes + ch * 16));
   asm volatile("cp.async.commit_group;\n" ::);
 }
+
 
 // The ring's first kStages - 1 tiles, before the loop; an empty commit group stands for a tile past the end so
 // that cp.async.wait_group's count of groups in flight stays right.
@@ -190,7 +193,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   constexpr unsigned kStageBytes = kTma ? kTmaTileBytes : kLoopTileBytes;
   constexpr bool kGather = (kParts & kPartGather) != 0 || kBulk || kHalf || kAligned || kTma;
   constexpr int kCopyChunks = (kHalf ? kLoopRowBytes / 2 : kLoopRowBytes) / 16;  // 16-byte chunks per row
-  constexpr bool kSync = (kParts & kPartSync) != 0 || kGather;
+  // +consumed (tensor copies only): no block barrier per tile. Each warp arrives on its buffer's "consumed"
+  // mbarrier after its P.V, warp 0 waits there before copying the next tile into that buffer, and the S
+  // exchange gets its second pair barrier (below): what the flash kernel's block barrier costs once the copy
+  // needs no threads of the other warps.
+  constexpr bool kConsumed = (kParts & kPartConsumed) != 0;
+  static_assert(!kConsumed || kTma, "consumed barriers order the tensor-copy fills");
+  constexpr bool kSync = ((kParts & kPartSync) != 0 || kGather) && !kConsumed;
   static_assert(!kXchg || kWarpsPerCta == 8, "the S exchange pairs warp w with w ^ 4");
   static_assert(kStages >= 2 && (!kMbar || kStages == 2), "bulk and tensor copies use two buffers");
   extern __shared__ __align__(16) unsigned char loop_smem[];
@@ -203,6 +212,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   if (kMbar && threadIdx.x == 0) {  // one mbarrier per buffer, one arrival (the expect-tx) per fill
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full) : "memory");
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8) : "memory");
+    if constexpr (kConsumed) {  // one arrival per warp and use of the buffer
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(full + 16), "n"(kWarpsPerCta) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(full + 24), "n"(kWarpsPerCta) : "memory");
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   // the bulk copies write through the async proxy what the generic proxy wrote above
@@ -285,14 +298,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
   for (int t = 0; t < tiles; ++t) {
     const unsigned tile = base + (t % kStages) * kStageBytes, other = base + ((t + 1) % kStages) * kStageBytes;
     if constexpr (kMbar) {
-#if KDTREE_LOOP_BULK
-      asm volatile(
-          "{\n .reg .pred done;\n wait_%=:\n"
-          " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-          " @!done bra wait_%=;\n}\n" ::"r"(full + (t & 1) * 8),
-          "r"((t >> 1) & 1)
-          : "memory");
-#endif
+      // +consumed: before warp 0 copies tile t + 1 (below), every warp has left tile t - 1, the previous use of
+      // that buffer (its (t - 1) / 2-th phase)
+      if (kConsumed && warp == 0 && t >= 1) mbarrier_wait_parity(full + 16 + ((t + 1) & 1) * 8, ((t - 1) >> 1) & 1);
+      mbarrier_wait_parity(full + (t & 1) * 8, (t >> 1) & 1);
     } else if constexpr (kGather) {
       asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // tile t landed
     }
@@ -390,6 +399,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
           mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
         }
       }
+    }
+    if constexpr (kConsumed) {  // this warp is done with tile t's buffer (its fragments are in registers)
+#if KDTREE_LOOP_BULK
+      __syncwarp();
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(full + 16 + (t & 1) * 8) : "memory");
+#endif
     }
   }
 #pragma unroll
@@ -541,7 +557,7 @@ struct InnerLoop {
   int copy_bytes;    // read from `src` per CTA per tile: 32 rows of 1,152 B (576 B for the half gather), or 0
   bool bulk;         // bulk or tensor copies: sm_90+
   bool tensor_map;   // reads g_loop_tensor_map (kdtree_bench_loop writes it first)
-  int smem_bytes;    // the tile buffers, the S exchange and two mbarriers (+1 KB to align tensor copies)
+  int smem_bytes;    // the tile buffers, the S exchange and four mbarriers (+1 KB to align tensor copies)
 };
 
 template <int W, int KS, int OT, int P, int S = 2>
@@ -552,7 +568,7 @@ constexpr InnerLoop inner_loop(const char* name) {
           : (P & kPartHalfGather)         ? kLoopTileTokens * kLoopRowBytes / 2
                                           : 0,
           (P & (kPartBulk | kPartTensorCopy)) != 0, (P & kPartTensorCopy) != 0,
-          (int)(S * kLoopTileBytes + kLoopXchgBytes + 16 + ((P & kPartTensorCopy) ? 1024 : 0))};
+          (int)(S * kLoopTileBytes + kLoopXchgBytes + 32 + ((P & kPartTensorCopy) ? 1024 : 0))};
 }
 
 template <int P, int S = 2>
@@ -579,6 +595,8 @@ const InnerLoop kInnerLoops[] = {
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartGather | kPartSwizzle>("S+PV 8w +xchg +softmax +gather, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartGather | kPartSwizzle>("S+PV 8w +gather, swizzled"),
     inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartTensorCopy>("S+PV 8w +xchg +softmax +tma, swizzled"),
+    inner_loop<8, 18, 32, kLadder | kPartXchg | kPartSoftmax | kPartTensorCopy | kPartConsumed>(
+        "S+PV 8w +xchg +softmax +tma, swizzled, consumed barriers"),
     inner_loop<8, 18, 32, kPartTensorCopy>("tma only 8w"),
     inner_loop<8, 18, 32, kLadder | kPartGather>("S+PV 8w +gather"),
     inner_loop<8, 18, 32, kPartGather>("gather only 8w"),

@@ -48,6 +48,7 @@
 #include <cstdint>
 
 #include "kdev/kv_tensor_map.cuh"
+#include "kdev/mbarrier.cuh"
 #include "kdev/mma_sync.cuh"
 #include "kdev/verify_attn.cuh"
 
@@ -237,14 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kTensorCopy && start + kBlockN <= kv_end) {
 #if KDTREE_FLASH_SM90
       // buffer `buf` is filled for the (it / 2)-th time, every earlier fill of it a tensor copy too (only the
-      // last tile can be partial): wait for that phase of its barrier. (The loop is in C++, not in the asm: with
-      // the branch inside the asm, ptxas spilled 4-8 B on sm_90.)
-      for (uint32_t done = 0; !done;)
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(landed + buf * 8), "r"((it >> 1) & 1)
-            : "memory");
+      // last tile can be partial): wait for that phase of its barrier
+      mbarrier_wait_parity(landed + buf * 8, (it >> 1) & 1);
 #endif
     } else {
       cp_async_wait_all();
