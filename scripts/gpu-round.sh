@@ -30,6 +30,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG= KERNEL_TIMES=
 while [ $# -gt 0 ]; do
+  case "$1" in  # an option that takes a value and is given none is refused before anything runs
+    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--kernel-times|--step-timeout)
+      [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
+  esac
   case "$1" in
     --fuzz) FUZZ="$2"; shift 2 ;;
     --sweep) SWEEP="$2"; shift 2 ;;

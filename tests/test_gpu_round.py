@@ -1,6 +1,8 @@
-"""scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts."""
+"""scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; the
+summary of its --kernel-times step (scripts/kernel_times.py)."""
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,45 @@ def test_step_timeout_must_be_whole_seconds(tmp_path, value):
 def test_unknown_option_is_refused(tmp_path):
     r = run(tmp_path, "--fuz", "10")
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
+
+
+@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile"])
+def test_an_option_without_its_value_is_refused(tmp_path, option):
+    r = run(tmp_path, option)
+    assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
+    assert not (tmp_path / "out" / "round.log").exists()
+
+
+NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def ncu_row(i, kernel, grid, value, unit="nsecond"):
+    return (f'"{i}","1","python3","h","{kernel}","1","7","(256, 1, 1)","{grid}","0","9.0",'
+            f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
+
+
+def test_kernel_times_groups_launches_by_kernel_and_grid(tmp_path):
+    flash = "void kdtree::<unnamed>::verify_attn_flash_kernel<1>(VerifyAttnParams, int, CUtensorMap)"
+    combine = "void kdtree::(anonymous namespace)::verify_attn_combine_kernel<4>(VerifyAttnParams, int)"
+    rows = [ncu_row(0, flash, "(9, 14, 1)", "170,000"), ncu_row(1, combine, "(520, 1, 1)", "9,000"),
+            ncu_row(2, flash, "(9, 14, 1)", "160,000"), ncu_row(3, flash, "(9, 14, 1)", "0.5", unit="msecond"),
+            ncu_row(4, flash, "(65, 2, 1)", "1,083,400")]
+    csv_path = tmp_path / "times.csv"
+    csv_path.write_text("==PROF== Connected to process 1\n" + NCU_HEADER + "\n" + "\n".join(rows) + "\n")
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "kernel_times.py"), str(csv_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [line.split() for line in r.stdout.splitlines()[1:]]
+    assert [line[0] for line in lines] == ["verify_attn_flash_kernel<1>", "verify_attn_combine_kernel<4>",
+                                           "verify_attn_flash_kernel<1>"]
+    assert lines[0][-2:] == ["3", "170.0"]  # median of 170, 160 and 500 µs
+    assert lines[1][-2:] == ["1", "9.0"] and lines[2][-2:] == ["1", "1083.4"]
+
+
+def test_kernel_times_refuses_a_file_without_times(tmp_path):
+    csv_path = tmp_path / "empty.csv"
+    csv_path.write_text("==PROF== No kernels were profiled.\n")
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "kernel_times.py"), str(csv_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "no gpu__time_duration.sum rows" in r.stderr
