@@ -290,7 +290,6 @@ def _loop_row(r: dict) -> list:
             f"{r['copy_bytes_per_s'] / 1e9:,.0f}" if r["copy_bytes_per_s"] else "-"]
 
 
-
 @app.command("bench")
 @command
 def bench_cmd(

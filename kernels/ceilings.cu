@@ -100,6 +100,7 @@ int kdtree_bench_mma_chains(void) { return kChains; }
 namespace {
 
 using kdtree::ldmatrix_x4;
+using kdtree::mbarrier_arrive_expect_tx;
 using kdtree::mbarrier_wait_parity;
 using kdtree::ldmatrix_x4_trans;
 using kdtree::mma_bf16;
@@ -258,17 +259,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #if KDTREE_LOOP_BULK
       if (warp == 0) {  // 9 boxes (dims 64j.., all 32 rows), one lane each, completing on the buffer's mbarrier
         const unsigned bar = full + (t & 1) * 8;
-        if (lane == 0)
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kTmaTileBytes)
-                       : "memory");
+        if (lane == 0) mbarrier_arrive_expect_tx(bar, kTmaTileBytes);
         __syncwarp();
         const int row0 = (int)((blockIdx.x * (size_t)tiles + t) % src_tiles) * kLoopTileTokens;
-        if (lane < 9)
-          asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-              "[%4];\n" ::"r"(dst + lane * kTmaBoxBytes),
-              "l"(reinterpret_cast<uint64_t>(&g_loop_tensor_map)), "r"(lane * 64), "r"(row0), "r"(bar)
-              : "memory");
+        if (lane < 9) kdtree::kv_box_copy(dst + lane * kTmaBoxBytes, &g_loop_tensor_map, lane * 64, row0, bar);
       }
 #endif
       return;
@@ -277,9 +271,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
 #if KDTREE_LOOP_BULK
       if (warp == 0) {
         const unsigned bar = full + (t & 1) * 8;
-        if (lane == 0)
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                       "r"(kLoopTileTokens * kLoopRowBytes) : "memory");
+        if (lane == 0) mbarrier_arrive_expect_tx(bar, kLoopTileTokens * kLoopRowBytes);
         __syncwarp();
         asm volatile(
             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
@@ -403,8 +395,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, 1)
     if constexpr (kConsumed) {  // this warp is done with tile t's buffer (its fragments are in registers)
 #if KDTREE_LOOP_BULK
       __syncwarp();
-      if (lane == 0)
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(full + 16 + (t & 1) * 8) : "memory");
+      if (lane == 0) kdtree::mbarrier_arrive(full + 16 + (t & 1) * 8);
 #endif
     }
   }

@@ -169,16 +169,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if KDTREE_FLASH_SM90
       if (warp == 0) {
         const unsigned bar = landed + buf * 8;
-        if (lane == 0)
-          asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(kBufBytes) : "memory");
+        if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
         __syncwarp();
         if (lane < kBoxes) {
           const int row = (page_row[start >> page_shift] << page_shift) + (start & page_mask);
-          asm volatile(
-              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-              "[%4];\n" ::"r"(kv_smem + buf * kBufBytes + lane * kBoxBytes),
-              "l"(reinterpret_cast<uint64_t>(&kv_map)), "r"(lane * kBoxDims), "r"(row), "r"(bar)
-              : "memory");
+          kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, &kv_map, lane * kBoxDims, row, bar);
         }
       }
 #endif

@@ -39,4 +39,14 @@ inline bool encode_kv_tensor_map(const void* base, uint64_t rows, uint32_t box_r
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// Device side: box (`dim0` / 64) of KV rows `row`.. (the map's box height) into shared memory at `dst`, as one
+// tensor copy whose bytes complete on the mbarrier at `bar` (sm_90+; `dst` on the swizzle's 1,024-byte period).
+__device__ __forceinline__ void kv_box_copy(unsigned dst, const CUtensorMap* map, int dim0, int row, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(dim0), "r"(row), "r"(bar)
+      : "memory");
+}
+
 }  // namespace kdtree

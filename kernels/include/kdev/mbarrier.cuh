@@ -1,5 +1,6 @@
-// Waiting on a shared-memory mbarrier (sm_90+: the parity form of try_wait; sm_120 has it too). One
-// definition for the flash kernel and the loop ladder (ceilings.cu), so that the rungs wait as the kernel does.
+// Shared-memory mbarriers as the tensor-copy paths use them (sm_90+: transaction counts and the parity form of
+// try_wait; sm_120 has them too). One definition for the flash kernel and the loop ladder (ceilings.cu), so
+// that the rungs arrive and wait as the kernel does. Callers compile these only for sm_90+.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,18 @@ __device__ __forceinline__ void mbarrier_wait_parity(unsigned bar, unsigned pari
         : "r"(bar), "r"(parity)
         : "memory");
 #endif
+}
+
+// One arrival on the mbarrier at `bar` that also expects `bytes` of copies to complete on it (a tensor copy's
+// complete_tx); its phase completes when both have happened.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One arrival on the mbarrier at `bar` (release: this thread's earlier shared-memory reads are ordered before
+// whatever a waiter on the completed phase does next, e.g. a tensor copy into the buffer just read).
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 }  // namespace kdtree
