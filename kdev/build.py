@@ -148,10 +148,16 @@ def demangle(names: list[str]) -> dict[str, str]:
         if r.returncode == 0 and len(r.stdout.splitlines()) == len(names):
             demangled = r.stdout.splitlines()
     for raw, nice in zip(names, demangled):
-        # a template kernel demangles with its return type ("void kdtree::k<true>(...)"); kernels return void
-        nice = nice.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
-        out[raw] = nice.removeprefix("kdtree::")
+        out[raw] = short_kernel_name(nice)
     return out
+
+
+def short_kernel_name(demangled: str) -> str:
+    """A demangled kernel signature as the function name with its template arguments, without the kdtree and
+    anonymous namespaces (c++filt writes "(anonymous namespace)", Nsight Compute "<unnamed>")."""
+    # a template kernel demangles with its return type ("void kdtree::k<true>(...)"); kernels return void
+    name = demangled.removeprefix("void ").replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+    return name.split("(")[0].removeprefix("kdtree::")
 
 
 def resource_problems(rows: list[KernelResources], cfg: BuildConfig) -> list[str]:

@@ -9,6 +9,10 @@ in µs, in the order the groups first appear. Used by scripts/gpu-round.sh --ker
 import csv
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kdev package of this tree
+from kdev.build import short_kernel_name  # noqa: E402
 
 
 def main(path: str) -> int:
@@ -24,8 +28,7 @@ def main(path: str) -> int:
         if scale is None:
             print(f"unknown unit {row.get('Metric Unit')!r} in {path}", file=sys.stderr)
             return 1
-        name = row["Kernel Name"].replace("(anonymous namespace)::", "").replace("<unnamed>::", "").split("(")[0]
-        name = name.removeprefix("void ").removeprefix("kdtree::")
+        name = short_kernel_name(row["Kernel Name"])
         value = float(row["Metric Value"].replace(",", ""))
         groups.setdefault((name, row["Grid Size"]), []).append(value * scale)
     if not groups:
