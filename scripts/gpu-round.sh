@@ -5,7 +5,7 @@
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
-#                               [--profile-only] [--kernel-times SWEEP] [--step-timeout SECONDS]
+#                               [--profile-only] [--kernel-times SWEEP] [--ab KERNELS_DIR] [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -20,6 +20,13 @@
 # under Nsight Compute with one metric (GPU time; caches flushed before each launch, clocks left alone), and
 # the median per kernel and grid into kernel-times.txt: what the split-KV combine and the launch gap cost
 # beside the main kernel at each shape.
+# --ab build/ab-base/kernels: an A/B in this machine start, where the drift between starts (1-3 %) cannot
+# blur it. KERNELS_DIR is another kernels/ tree, the base (e.g. `mkdir -p build/ab-base && git archive REV
+# kernels | tar -x -C build/ab-base`, carried to the GPU machine); it is built into a library of its own
+# (kdev build --kernels), and for each --sweep the base and the working tree's library (the candidate) are
+# timed in turn, base then candidate, twice, each candidate judged against the base just before it
+# (--normalize-by applies); scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt.
+# With --kernel-times, the base library's launches are timed too (kernel-times-base.txt).
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -28,10 +35,10 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG= KERNEL_TIMES=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
-    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--kernel-times|--step-timeout)
+    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--kernel-times|--ab|--step-timeout)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -48,11 +55,13 @@ while [ $# -gt 0 ]; do
     --profile-loop) LOOP_PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
     --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
+    --ab) AB_KERNELS="$2"; shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
+[ -z "$AB_KERNELS" ] || [ -d "$AB_KERNELS/include" ] || { echo "--ab $AB_KERNELS: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
 LOG="$OUT/round.log"
 declare -A RC
 step() {  # step NAME CMD...: run under the step time limit, log, remember the exit code
@@ -94,6 +103,23 @@ for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
     ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${NORMALIZE:+--normalize-by "$NORMALIZE"}
 done
+if [ -n "$AB_KERNELS" ]; then
+  ab_dir="$(mktemp -d)"  # the bench documents stay there: only the summaries come back
+  step ab-build bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ "$AB_KERNELS" "$ab_dir/build.json"
+  AB_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$ab_dir/build.json" 2>/dev/null)"
+  for sw in ${SWEEP//,/ }; do
+    [ -n "$AB_LIB" ] || break
+    for pair in 1 2; do
+      step "ab-$sw-base-$pair" python3 -m kdev bench --library "$AB_LIB" --sweep "$sw" --out-json "$ab_dir/base-$sw-$pair.json" \
+        ${BACKENDS:+--backend "$BACKENDS"}
+      step "ab-$sw-cand-$pair" python3 -m kdev bench --sweep "$sw" --out-json "$ab_dir/cand-$sw-$pair.json" \
+        --baseline "$ab_dir/base-$sw-$pair.json" ${BACKENDS:+--backend "$BACKENDS"} ${NORMALIZE:+--normalize-by "$NORMALIZE"}
+    done
+    python3 scripts/ab_summary.py ${NORMALIZE:+--normalize-by "$NORMALIZE"} "$ab_dir/base-$sw-1.json" "$ab_dir/cand-$sw-1.json" \
+      "$ab_dir/base-$sw-2.json" "$ab_dir/cand-$sw-2.json" > "$OUT/ab-$sw.txt" 2>&1
+    tee -a "$LOG" < "$OUT/ab-$sw.txt"
+  done
+fi
 # last: the longest step (a killed round keeps everything above)
 step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
 fi
@@ -116,6 +142,14 @@ if [ -n "$KERNEL_TIMES" ]; then
     python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash
   python3 scripts/kernel_times.py "$times_csv" > "$OUT/kernel-times.txt" 2>&1
   tail -n 30 "$OUT/kernel-times.txt"
+  if [ -n "$AB_LIB" ]; then
+    base_csv="$(mktemp -d)/kernel-times-base.csv"
+    step kernel-times-base ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$base_csv" \
+      python3 -m kdev bench --library "$AB_LIB" --sweep "$KERNEL_TIMES" --backend flash
+    python3 scripts/kernel_times.py "$base_csv" > "$OUT/kernel-times-base.txt" 2>&1
+    tail -n 30 "$OUT/kernel-times-base.txt"
+  fi
 fi
 for loop in "${LOOP_PROFILES[@]}"; do
   name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"

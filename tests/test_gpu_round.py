@@ -1,6 +1,7 @@
 """scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; the
-summary of its --kernel-times step (scripts/kernel_times.py)."""
+summaries of its --kernel-times step (scripts/kernel_times.py) and of its --ab step (scripts/ab_summary.py)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +29,18 @@ def test_unknown_option_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
 
 
-@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile"])
+@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--ab"])
 def test_an_option_without_its_value_is_refused(tmp_path, option):
     r = run(tmp_path, option)
     assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
+    assert not (tmp_path / "out" / "round.log").exists()
+
+
+def test_ab_needs_a_kernels_tree(tmp_path):
+    (tmp_path / "not-kernels").mkdir()
+    r = run(tmp_path, "--ab", str(tmp_path / "not-kernels"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"--ab {tmp_path / 'not-kernels'}: not a copy of kernels/ (no include/ folder)"
     assert not (tmp_path / "out" / "round.log").exists()
 
 
@@ -68,3 +77,41 @@ def test_kernel_times_refuses_a_file_without_times(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT.parent / "kernel_times.py"), str(csv_path)], capture_output=True,
                        text=True)
     assert r.returncode == 1 and "no gpu__time_duration.sum rows" in r.stderr
+
+
+def bench_doc(path, times):
+    """A bench --out-json document with the given medians: {(shape, backend): µs}."""
+    results = [{"shape": shape, "backend": backend, "timing": {"median_us": us}} for (shape, backend), us in times.items()]
+    path.write_text(json.dumps({"results": results}))
+    return str(path)
+
+
+def ab_summary(*args):
+    return subprocess.run([sys.executable, str(SCRIPT.parent / "ab_summary.py"), *args], capture_output=True, text=True)
+
+
+def test_ab_summary_takes_out_the_drift_of_the_normalising_backend(tmp_path):
+    shape = "B1-L32768-N64-H8-p64"
+    # pair 1: the machine ran 10 % slow during the candidate's run (naive 1.1x), flash 1.1 * 0.95 = 1.045x;
+    # pair 2: no drift, flash 0.95x. Both say the candidate is 5 % faster.
+    files = [bench_doc(tmp_path / "b1.json", {(shape, "flash"): 100.0, (shape, "naive"): 1000.0}),
+             bench_doc(tmp_path / "c1.json", {(shape, "flash"): 104.5, (shape, "naive"): 1100.0}),
+             bench_doc(tmp_path / "b2.json", {(shape, "flash"): 100.0, (shape, "naive"): 1000.0}),
+             bench_doc(tmp_path / "c2.json", {(shape, "flash"): 95.0, (shape, "naive"): 1000.0})]
+    r = ab_summary("--normalize-by", "naive", *files)
+    assert r.returncode == 0, r.stderr
+    rows = {tuple(line.split()[:2]): line.split() for line in r.stdout.splitlines()[1:]}
+    flash = rows[(shape, "flash")]
+    assert flash[2:8] == ["100.0", "104.5", "0.950", "100.0", "95.0", "0.950"]
+    assert flash[8:] == ["-5.0%", "0.0%"]
+    assert rows[(shape, "naive")][8:] == ["+5.0%", "10.0%"]  # its own drift, unnormalised
+    raw = ab_summary(*files)  # without normalising, pair 1 reads as 4.5 % slower
+    flash_raw = {tuple(line.split()[:2]): line.split() for line in raw.stdout.splitlines()[1:]}[(shape, "flash")]
+    assert flash_raw[4] == "1.045" and flash_raw[9] == "9.5%"
+    assert float(flash_raw[8].rstrip("%")) == pytest.approx(-0.25, abs=0.051)
+
+
+def test_ab_summary_refuses_odd_or_unreadable_input(tmp_path):
+    assert ab_summary(str(tmp_path / "one.json")).returncode == 2
+    r = ab_summary(str(tmp_path / "missing.json"), str(tmp_path / "missing2.json"))
+    assert r.returncode == 1 and r.stderr.startswith("cannot read a bench result")
