@@ -164,7 +164,8 @@ class Library:
                                      f"{ctypes.sizeof(VerifyAttnParams)} B here: rebuild with 'kdev build'")
         self.build_info = json.loads(L.kdtree_build_info().decode())
         self.stale = self.build_info.get("source_hash") != kbuild.source_hash()
-        if self.stale:
+        # an A/B library (kdev build --kernels) comes from another kernels/ tree by design: no warning for it
+        if self.stale and not self.build_info.get("variant"):
             warnings.warn(f"{self.path} was built from sources {self.build_info.get('source_hash', '?')[:12]}, "
                           f"kernels/ is now {kbuild.source_hash()[:12]}: run 'kdev build'", StaleLibraryWarning,
                           stacklevel=2)

@@ -293,6 +293,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         "archs": list(cfg.archs),
         "flags": list(cfg.flags),
         "kdev_version": __version__,
+        "variant": variant,  # built from another kernels/ tree on purpose: its sources differ from kernels/
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     gen = folder / "build_info.gen.cpp"

@@ -79,6 +79,7 @@ def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, buil
     var = kbuild.build(cfg, kernel_dir=cand, variant=True)
     assert not var.problems and var.library.is_file() and var.library != main.library
     assert var.folder.name == f"{main.folder.name}-variant-{var.build_info['source_hash'][:12]}"
+    assert var.build_info["variant"] is True and main.build_info["variant"] is False
     assert (cfg.output_dir / "latest.json").read_text() == latest and main.library.is_file()
     assert kbuild.build(cfg, kernel_dir=cand, variant=True).cached
     assert var.build_info["sources"]["kernels/verify_attn_flash.cu"] != main.build_info["sources"][
