@@ -79,7 +79,7 @@ def test_stale_library_warns(monkeypatch, sm90_library):
 
 
 @pytest.mark.nvcc
-def test_variant_library_is_not_called_stale(monkeypatch, tmp_path):
+def test_variant_library_is_not_called_stale(tmp_path):
     # a library built with kdev build --kernels (an A/B base or candidate) differs from kernels/ on purpose
     cand = tmp_path / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, cand)
