@@ -81,6 +81,15 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
     echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
   fi
 }
+kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one bench sweep's flash and combine launches
+  local name="$1"; shift
+  local csv_path; csv_path="$(mktemp -d)/$name.csv"  # one row per launch: only the summary comes back
+  step "$name" ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$csv_path" \
+    python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash "$@"
+  python3 scripts/kernel_times.py "$csv_path" > "$OUT/$name.txt" 2>&1
+  tail -n 30 "$OUT/$name.txt"
+}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
 step build python3 -m kdev build --arch sm_90
 # the SASS schedule of the flash kernel just built (accumulator chains, fragment-load lead), for the record
@@ -137,20 +146,8 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
 if [ -n "$KERNEL_TIMES" ]; then
-  times_csv="$(mktemp -d)/kernel-times.csv"  # one row per launch: only the summary comes back
-  step kernel-times ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$times_csv" \
-    python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash
-  python3 scripts/kernel_times.py "$times_csv" > "$OUT/kernel-times.txt" 2>&1
-  tail -n 30 "$OUT/kernel-times.txt"
-  if [ -n "$AB_LIB" ]; then
-    base_csv="$(mktemp -d)/kernel-times-base.csv"
-    step kernel-times-base ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-      --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$base_csv" \
-      python3 -m kdev bench --library "$AB_LIB" --sweep "$KERNEL_TIMES" --backend flash
-    python3 scripts/kernel_times.py "$base_csv" > "$OUT/kernel-times-base.txt" 2>&1
-    tail -n 30 "$OUT/kernel-times-base.txt"
-  fi
+  kernel_times kernel-times
+  [ -z "$AB_LIB" ] || kernel_times kernel-times-base --library "$AB_LIB"
 fi
 for loop in "${LOOP_PROFILES[@]}"; do
   name="ncu-loop-$(echo "$loop" | tr -c 'A-Za-z0-9\n' '_')"

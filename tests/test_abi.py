@@ -1,7 +1,6 @@
 """ABI argument checks that need no GPU: every bad tensor is refused before anything is called."""
 
 import ctypes
-import shutil
 import warnings
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 
 from kdev import abi
 from kdev import build as kbuild
-from kdev import config as kconfig
 from kdev.config import load_suite
 from kdev.vectors import generate_case
 
@@ -76,21 +74,6 @@ def test_stale_library_warns(monkeypatch, sm90_library):
     monkeypatch.setattr(kbuild, "source_hash", lambda *a: "f" * 64)
     with pytest.warns(abi.StaleLibraryWarning, match="run 'kdev build'"):
         abi.Library(sm90_library)
-
-
-@pytest.mark.nvcc
-def test_variant_library_is_not_called_stale(tmp_path):
-    # a library built with kdev build --kernels (an A/B base or candidate) differs from kernels/ on purpose
-    cand = tmp_path / "kernels"
-    shutil.copytree(kbuild.KERNEL_DIR, cand)
-    (cand / "verify_attn_flash.cu").write_text((cand / "verify_attn_flash.cu").read_text() + "\n// base\n")
-    c = kconfig.load_build(None, ["sm_90"])
-    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path / "build", False, c.smem_limit_bytes, c.path)
-    var = kbuild.build(cfg, kernel_dir=cand, variant=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lib = abi.Library(var.library)
-    assert lib.stale and lib.build_info["variant"] is True
 
 
 def test_missing_library_is_environment_error(tmp_path):

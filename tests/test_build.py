@@ -3,9 +3,11 @@
 import ctypes
 import json
 import shutil
+import warnings
 
 import pytest
 
+from kdev import abi
 from kdev import build as kbuild
 from kdev import config
 from kdev.errors import CheckFailed, EnvironmentMissing
@@ -80,6 +82,9 @@ def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, buil
     assert not var.problems and var.library.is_file() and var.library != main.library
     assert var.folder.name == f"{main.folder.name}-variant-{var.build_info['source_hash'][:12]}"
     assert var.build_info["variant"] is True and main.build_info["variant"] is False
+    with warnings.catch_warnings():  # it differs from kernels/ on purpose: loading it is not called stale
+        warnings.simplefilter("error")
+        assert abi.Library(var.library).stale
     assert (cfg.output_dir / "latest.json").read_text() == latest and main.library.is_file()
     assert kbuild.build(cfg, kernel_dir=cand, variant=True).cached
     assert var.build_info["sources"]["kernels/verify_attn_flash.cu"] != main.build_info["sources"][
