@@ -105,17 +105,446 @@ __device__ __forceinline__ uint32_t load_pair(const __nv_bfloat16* ptr, bool val
   return valid ? *reinterpret_cast<const uint32_t*>(ptr) : 0u;
 }
 
+// Q fragments of rows r_lo and r_lo + 8 (zero past R), k-step ks = dims 32ks + 16c + [0, 16): loaded once, kept in
+// registers.
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[kKSteps][4], const VerifyAttnParams& p, int q0, int H,
+                                                 int R, int r_lo, int c, int tig) {
+  const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + (size_t)q0 * H * KDTREE_QK_DIM;
+  const int r_hi = r_lo + 8;
+  const __nv_bfloat16* q_lo = qb + (size_t)r_lo * KDTREE_QK_DIM + c * 16 + tig * 2;
+  const __nv_bfloat16* q_hi = qb + (size_t)r_hi * KDTREE_QK_DIM + c * 16 + tig * 2;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    qf[ks][0] = load_pair(q_lo + ks * 32, r_lo < R);
+    qf[ks][1] = load_pair(q_hi + ks * 32, r_hi < R);
+    qf[ks][2] = load_pair(q_lo + ks * 32 + 8, r_lo < R);
+    qf[ks][3] = load_pair(q_hi + ks * 32 + 8, r_hi < R);
+  }
+}
+
+// The tree mask and the range end on a 16 x 8NT score tile in accumulator layout whose n-tile nt holds tokens
+// tok0 + 8nt + [0, 8): a token past kv_end, or a tree node that is not an ancestor-or-self of the row's node,
+// scores -inf. Rows past R (the padding of the last row tile) are not masked: their Q is zero, their scores
+// finite, and their output is never written. (Masking them sent that tile's CTA down this path on every tile,
+// the slowest CTA of the launch.)
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const VerifyAttnParams& p, int tok0, int L, int kv_end,
+                                            int q0, int H, int R, int r_lo, int tig) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r_lo + half * 8;
+    const uint64_t* mask_row = p.tree_mask + (size_t)(q0 + (r < R ? r / H : 0)) * p.mask_words;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int pos = tok0 + nt * 8 + tig * 2 + e;
+        bool keep = pos < kv_end;
+        if (keep && pos >= L) {
+          const int node = pos - L;
+          keep = (mask_row[node / 64] >> (node % 64)) & 1ull;
+        }
+        if (!keep) s[nt][half * 2 + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// Online softmax state of a thread's two rows (lo = gid, hi = gid + 8 of its 16-row group), replicated across
+// the quad: reference max m (log2 units) and the running sum l.
+struct RowSoftmax {
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+};
+
+// One tile of the online softmax on a 16 x 8NT score tile (log2 units, masked): updates the row state, rescales O
+// when the reference max moves, and returns P as bf16 A fragments, pf[nt / 2][2 (nt % 2)] (row lo) and
+// [2 (nt % 2) + 1] (row hi) holding tokens 8nt + 2tig + {0, 1}: the A layout of m16n8k16 (pf[kk] for tokens
+// 16kk + [0, 16)) and, for NT = 1, of m16n8k8.
+// Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so P = exp2(s -
+// m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies per thread, runs on the
+// few tiles that raise a max (on random scores about once per CTA; rescaling on every rise of the max was ~half
+// the tiles and measured slower with the vote). The vote keeps the branch warp-uniform; both warps of a row group
+// hold the same scores, so they decide alike.
+// Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the worst output
+// error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
+template <int NT>
+__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, float (&o)[kVTiles][4],
+                                             uint32_t (&pf)[(NT + 1) / 2][NT > 1 ? 4 : 2]) {
+  float mx_lo = -INFINITY, mx_hi = -INFINITY;
+  quad_row_max(s, mx_lo, mx_hi);
+  const bool rises = mx_lo > st.m_lo + kRescaleSlack || mx_hi > st.m_hi + kRescaleSlack;
+  if (__any_sync(0xffffffffu, rises)) {
+    const float mn_lo = fmaxf(st.m_lo, mx_lo), mn_hi = fmaxf(st.m_hi, mx_hi);
+    // a row with nothing attended yet (m = -inf) has l = 0 and O = 0: any finite alpha will do
+    const float alpha_lo = mn_lo == -INFINITY ? 1.f : exp2f(st.m_lo - mn_lo);
+    const float alpha_hi = mn_hi == -INFINITY ? 1.f : exp2f(st.m_hi - mn_hi);
+    st.m_lo = mn_lo;
+    st.m_hi = mn_hi;
+    st.l_lo *= alpha_lo;
+    st.l_hi *= alpha_hi;
+#pragma unroll
+    for (int nt = 0; nt < kVTiles; ++nt) {
+      o[nt][0] *= alpha_lo;
+      o[nt][1] *= alpha_lo;
+      o[nt][2] *= alpha_hi;
+      o[nt][3] *= alpha_hi;
+    }
+  }
+  // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
+  const float base_lo = st.m_lo == -INFINITY ? 0.f : st.m_lo, base_hi = st.m_hi == -INFINITY ? 0.f : st.m_hi;
+  float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float p0 = exp2f(s[nt][0] - base_lo), p1 = exp2f(s[nt][1] - base_lo);
+    const float p2 = exp2f(s[nt][2] - base_hi), p3 = exp2f(s[nt][3] - base_hi);
+    sum_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
+    sum_hi += p2 + p3;
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1), hi = __floats2bfloat162_rn(p2, p3);
+    // C layout (row gid / gid+8, tokens 8nt + 2tig..) is the A layout: a0a1 | a2a3 (| a4a5 | a6a7 for k16)
+    pf[nt / 2][(nt % 2) * 2 + 0] = *reinterpret_cast<const uint32_t*>(&lo);
+    pf[nt / 2][(nt % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
+    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
+  }
+  st.l_lo += sum_lo;
+  st.l_hi += sum_hi;
+}
+
+// Epilogue of a 16-row group's half c: normalise and write bf16 out + lse, or this split's fp32 partial + lse.
+// n-tile nt of O is value columns 32 (nt / 2) + 16c + 8 (nt % 2) + [0, 8).
+__device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const float (&o)[kVTiles][4], const RowSoftmax& st,
+                                           int q0, int H, int R, int r_lo, int c, int tig, int split, int num_splits) {
+  const size_t rows_total = (size_t)p.total_q * H;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r_lo + half * 8;
+    if (r >= R) continue;
+    const float l = half ? st.l_hi : st.l_lo;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? ((half ? st.m_hi : st.m_lo) + log2f(l)) * kLn2 : -INFINITY;
+    const size_t grow = (size_t)q0 * H + r;
+    if (num_splits == 1) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * 16 + tig * 2;
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt)
+        *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 32 + (nt % 2) * 8) =
+            __floats2bfloat162_rn(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
+      if (c == 0 && tig == 0) p.lse[grow] = lse;
+    } else {
+      float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
+                    c * 16 + tig * 2;
+#pragma unroll
+      for (int nt = 0; nt < kVTiles; ++nt)
+        *reinterpret_cast<float2*>(ws_o + (nt / 2) * 32 + (nt % 2) * 8) =
+            make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
+      float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+      if (c == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
+    }
+  }
+}
+
+// The dynamic shared memory, which starts at the declared 1,024-byte alignment (nothing static precedes it); a
+// misplaced base would break the swizzle silently, so it traps instead.
+__device__ __forceinline__ SharedStorage& shared_storage(unsigned char* smem_raw) {
+  if (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) & 1023u) __trap();
+  return *reinterpret_cast<SharedStorage*>(smem_raw);
+}
+
+// The split-KV cut: split s of request range [0, kv_len) is [s chunk, (s + 1) chunk), chunk a multiple of the tile.
+__device__ __forceinline__ int split_chunk(int kv_len, int num_splits) {
+  const int chunk = (kv_len + num_splits - 1) / num_splits;
+  return (chunk + kBlockN - 1) / kBlockN * kBlockN;
+}
+
+__device__ __forceinline__ int log2_of_pow2(int x) { return __ffs(x) - 1; }
+
+// Where a CTA's KV tiles come from: request b's page-table row and the pool.
+struct KvSource {
+  const __nv_bfloat16* kv;
+  const int32_t* page_row;
+  int page_shift, page_mask;
+};
+__device__ __forceinline__ KvSource kv_source(const VerifyAttnParams& p, int b) {
+  // page sizes are powers of two (checked in capi.cu)
+  return {static_cast<const __nv_bfloat16*>(p.kv_cache), p.page_table + (size_t)b * p.max_pages,
+          log2_of_pow2(p.page_size), p.page_size - 1};
+}
+
+// The tensor copies' "landed" barriers, one per KV buffer; every thread calls it (a block barrier follows).
+template <bool kTensorCopy>
+__device__ __forceinline__ void init_landed_barriers(unsigned landed) {
+#if KDTREE_FLASH_SM90
+  if (kTensorCopy) {
+    if (threadIdx.x == 0) {  // one arrival (the expect-tx) per fill
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed + 8) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();  // every warp waits on these barriers
+  }
+#endif
+}
+
+// Start filling KV buffer buf (of the double buffer at kv_smem) with the tile at `start` of a range ending at
+// kv_end. Tensor copies: warp 0 looks the tile's page up once (the tile lies in one page: pages hold >= 32 tokens
+// and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box each. cp.async: warp
+// w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for the whole warp), 72 x
+// 16-byte chunks per row over the 32 lanes.
+template <bool kTensorCopy>
+__device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
+                                             unsigned landed, int kv_end, int warp, int lane, int buf, int start) {
+  if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
+#if KDTREE_FLASH_SM90
+    if (warp == 0) {
+      const unsigned bar = landed + buf * 8;
+      if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
+      __syncwarp();
+      if (lane < kBoxes) {
+        const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+        kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
+      }
+    }
+#endif
+    return;
+  }
+#pragma unroll
+  for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
+    const int r = warp + rr * kWarps;
+    const int pos = start + r;
+    const bool ok = pos < kv_end;
+    const __nv_bfloat16* src = src_kv.kv;  // any valid address; zero bytes are read when !ok
+    if (ok)
+      src = src_kv.kv + (((size_t)src_kv.page_row[pos >> src_kv.page_shift] << src_kv.page_shift) +
+                         (pos & src_kv.page_mask)) * KDTREE_QK_DIM;
+#pragma unroll
+    for (int ch = lane; ch < kChunksPerRow; ch += 32)
+      cp_async_16(kv_smem + buf * kBufBytes + kv_chunk_offset(r, ch), src + ch * 8, ok ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
+// Wait until this thread sees tile `it` (at `start`) of a range ending at kv_end landed; a block barrier follows.
+template <bool kTensorCopy>
+__device__ __forceinline__ void wait_kv_tile(unsigned landed, int kv_end, int it, int start) {
+  if (kTensorCopy && start + kBlockN <= kv_end) {
+#if KDTREE_FLASH_SM90
+    // buffer it & 1 is filled for the (it / 2)-th time, every earlier fill of it a tensor copy too (only the last
+    // tile can be partial): wait for that phase of its barrier
+    mbarrier_wait_parity(landed + (it & 1) * 8, (it >> 1) & 1);
+#endif
+  } else {
+    cp_async_wait_all();
+  }
+}
+
+// ---- The narrow row tile: a CTA whose row tile has at most kNarrowRows rows.
+// With H = 8 every target has T H = 8 (2^k + 1) rows, 64 m + 8: the last row tile holds 8 rows and, as a full
+// tile, costs as much as any other (a third of the work at N16, a ninth at N64). In a narrow CTA the four row
+// groups all take the same 16 rows, group tg on tokens 8tg + [0, 8) of every tile: per warp S is 18 mma and P.V
+// 32 m16n8k8, a quarter of a full tile's tensor work and ldmatrix traffic, with the same tile copies, barrier
+// and pair exchange. Each group keeps its own online softmax; the four (m, l, O) merge once at the end through
+// shared memory, in a fixed order. The CTA covers the KV range of `span` splits (the planner counts it so) and
+// the CTAs of the other splits leave an empty partial (store_empty_partial).
+constexpr int kNarrowRows = 16;
+constexpr double kNarrowTileCost = 0.5;  // a narrow tile's time over a full tile's, for the planner
+
+// The partial of a split whose range a narrow CTA of an earlier split covers: lse = -inf and O = 0 for the rows
+// [row0, R), so the combine gives it weight 0 (its O must be finite: 0 x NaN is NaN).
+__device__ __forceinline__ void store_empty_partial(const VerifyAttnParams& p, int q0, int H, int R, int row0,
+                                                    int split, int num_splits) {
+  const size_t rows_total = (size_t)p.total_q * p.num_heads;
+  const size_t grow0 = (size_t)q0 * H + row0;
+  float4* ws_o = reinterpret_cast<float4*>(static_cast<float*>(p.workspace) +
+                                           ((size_t)split * rows_total + grow0) * KDTREE_V_DIM);
+  for (int i = threadIdx.x; i < (R - row0) * KDTREE_V_DIM / 4; i += kThreads) ws_o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+  if (threadIdx.x < R - row0) ws_lse[(size_t)split * rows_total + grow0 + threadIdx.x] = -INFINITY;
+}
+
+template <bool kTensorCopy>
+__device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedStorage& sm, const CUtensorMap* kv_map,
+                                            int b, int q0, int H, int R, int row0, int L, int kv_begin, int kv_end,
+                                            int split, int num_splits) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tg = warp % 4, c = warp / 4;     // token group, dim/column half
+  const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates
+  const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
+  const KvSource src_kv = kv_source(p, b);
+  const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
+  const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
+  init_landed_barriers<kTensorCopy>(landed);
+  auto load_tile = [&](int buf, int start) {
+    load_kv_tile<kTensorCopy>(src_kv, kv_map, kv_smem, landed, kv_end, warp, lane, buf, start);
+  };
+  if (num_tiles > 0) load_tile(0, kv_begin);
+  const float scale_log2 = p.scale * kLog2e;
+
+  const int r_lo = row0 + gid;
+  uint32_t qf[kKSteps][4];
+  load_q_fragments(qf, p, q0, H, R, r_lo, c, tig);
+  float o[kVTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  RowSoftmax st;
+
+  // One lane offset serves K and V: ldmatrix matrix mi reads token row 8tg + lane % 8 and, in each box, chunk
+  // 2c + (mi & 1) + 4 (mi >> 1). For S that is k-steps 2j (mi = 0, 1) and 2j + 1 (mi = 2, 3) of half c in box j;
+  // for P.V (transposed) the n-tiles 4j + mi of half c, whose value columns 32 (nt / 2) + 16c + 8 (nt % 2) are
+  // those chunks of box j.
+  const int mi = lane / 8;
+  const unsigned lane_off = (8 * tg + lane % 8) * 128 + (((2 * c + (mi & 1) + 4 * (mi >> 1)) ^ (lane % 8)) << 4);
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int buf = it & 1;
+    const int start = kv_begin + it * kBlockN;
+    wait_kv_tile<kTensorCopy>(landed, kv_end, it, start);
+    __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
+    if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
+    const unsigned tile = kv_smem + buf * kBufBytes + lane_off;
+
+    // S partial = Q[16 rows, dims half c] . K[8 tokens]^T: even and odd k-steps in two chains
+    float sacc[2][4] = {};
+#pragma unroll
+    for (int j = 0; j < kKSteps / 2; ++j) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, tile + j * kBoxBytes);
+      mma_bf16(sacc[0], qf[2 * j], bf[0], bf[1]);
+      mma_bf16(sacc[1], qf[2 * j + 1], bf[2], bf[3]);
+    }
+    float s[1][4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][e] = sacc[0][e] + sacc[1][e];
+    sm.s_part[warp][0][lane] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + tg) : "memory");
+    {
+      const float4 v = sm.s_part[warp ^ 4][0][lane];  // own + partner: the same bits in both warps
+      s[0][0] = (s[0][0] + v.x) * scale_log2;
+      s[0][1] = (s[0][1] + v.y) * scale_log2;
+      s[0][2] = (s[0][2] + v.z) * scale_log2;
+      s[0][3] = (s[0][3] + v.w) * scale_log2;
+    }
+    if (start + kBlockN > L || start + kBlockN > kv_end) mask_scores(s, p, start + 8 * tg, L, kv_end, q0, H, R, r_lo, tig);
+    uint32_t pf[1][2];
+    softmax_tile(s, st, o, pf);
+
+    // O[16 rows, 256 columns of half c] += P[16, 8] . V[8 tokens, 256]
+#pragma unroll
+    for (int j = 0; j < kVTiles / 4; ++j) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, tile + j * kBoxBytes);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) mma_bf16_k8(o[4 * j + m], pf[0][0], pf[0][1], bf[m]);
+    }
+  }
+
+  // ---- merge the four token groups. First the rows' combined max and sum, over the groups in order; then O,
+  // each group's scaled to the combined max, summed through shared memory as (g0 + g2) + (g1 + g3).
+  __syncthreads();  // every warp is done with the KV buffers and s_part (the last tile starts no copy)
+  float2* row_ml = reinterpret_cast<float2*>(&sm.s_part[0][0][0]);  // [token group][16 rows]: (m, l)
+  if (c == 0 && tig == 0) {
+    row_ml[tg * 16 + gid] = make_float2(st.m_lo, st.l_lo);
+    row_ml[tg * 16 + gid + 8] = make_float2(st.m_hi, st.l_hi);
+  }
+  __syncthreads();
+  RowSoftmax merged;
+  float factor[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) m = fmaxf(m, row_ml[g * 16 + gid + half * 8].x);
+    float l = 0.f;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float2 ml = row_ml[g * 16 + gid + half * 8];
+      if (ml.x != -INFINITY) l += ml.y * exp2f(ml.x - m);
+    }
+    const float own = half ? st.m_hi : st.m_lo;
+    factor[half] = own == -INFINITY ? 0.f : exp2f(own - m);
+    (half ? merged.m_hi : merged.m_lo) = m;
+    (half ? merged.l_hi : merged.l_lo) = l;
+  }
+#pragma unroll
+  for (int nt = 0; nt < kVTiles; ++nt) {
+    o[nt][0] *= factor[0];
+    o[nt][1] *= factor[0];
+    o[nt][2] *= factor[1];
+    o[nt][3] *= factor[1];
+  }
+  float4* slots = reinterpret_cast<float4*>(&sm.kv[0][0][0][0]);  // 4 slots of 16 KB: [nt][lane]
+  auto put = [&](int slot) {
+#pragma unroll
+    for (int nt = 0; nt < kVTiles; ++nt)
+      slots[(slot * kVTiles + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
+  };
+  auto add = [&](int slot) {
+#pragma unroll
+    for (int nt = 0; nt < kVTiles; ++nt) {
+      const float4 v = slots[(slot * kVTiles + nt) * 32 + lane];
+      o[nt][0] += v.x;
+      o[nt][1] += v.y;
+      o[nt][2] += v.z;
+      o[nt][3] += v.w;
+    }
+  };
+  if (tg >= 2) put((tg - 2) * 2 + c);
+  __syncthreads();
+  if (tg < 2) add(tg * 2 + c);
+  __syncthreads();
+  if (tg == 1) put(c);
+  __syncthreads();
+  if (tg != 0) return;
+  add(c);
+  store_rows(p, o, merged, q0, H, R, r_lo, c, tig, split, num_splits);
+}
+
 template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
-    verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, const __grid_constant__ CUtensorMap kv_map) {
+    verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int span,
+                                    const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
 #if !KDTREE_FLASH_SM90
   if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
 #endif
-  // the dynamic shared memory starts at the declared 1,024-byte alignment (nothing static precedes it); a
-  // misplaced base would break the swizzle silently, so it traps instead
-  if (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) & 1023u) __trap();
-  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+#if KDTREE_FLASH_SM90
+  // The combine kernel behind this one may launch once every CTA of this grid has started.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  SharedStorage& sm = shared_storage(smem_raw);
+  const int split = blockIdx.x * span, b = blockIdx.y;
+  const int H = p.num_heads;
+  const int q0 = p.q_indptr[b];
+  const int T = p.q_indptr[b + 1] - q0;
+  const int R = T * H;
+  const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
+  if (R > 0 && R - row0 <= kNarrowRows) {
+    const int L = p.prefix_lens[b];
+    const int kv_len = L + T;
+    const int chunk = split_chunk(kv_len, num_splits);
+    const int kv_begin = min(kv_len, split * chunk);
+    const int kv_end = min(kv_len, kv_begin + span * chunk);
+    for (int s = split + 1; s < split + span && s < num_splits; ++s) store_empty_partial(p, q0, H, R, row0, s, num_splits);
+    narrow_rows<kTensorCopy>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end, split, num_splits);
+  }
+#if KDTREE_FLASH_SM90
+  // Launched behind the full-tile kernel (programmatically), and the combine kernel behind this one waits only for
+  // this grid: so this grid completes only after that one has, and its writes are visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+template <bool kTensorCopy>
+__global__ void __launch_bounds__(kThreads, 1)
+    verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
+                             const __grid_constant__ CUtensorMap kv_map) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+#if !KDTREE_FLASH_SM90
+  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
+#endif
+  SharedStorage& sm = shared_storage(smem_raw);
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int H = p.num_heads;
@@ -124,16 +553,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int R = T * H;
   const int row0 = m_tile * kBlockM;
   if (row0 >= R) return;  // this request has fewer row tiles than the largest one
+  if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
 #if KDTREE_FLASH_SM90
-  // The combine kernel may launch once every CTA of this grid has started (or exited): its CTAs then take each
-  // SM this grid leaves and wait there (griddepcontrol.wait) for the whole grid's writes, so the launch gap
-  // between the two kernels is spent while the last tiles run. A no-op without a dependent launch.
+  // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
+  // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
+  // spent while the last tiles run. A no-op without a dependent launch.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
   const int L = p.prefix_lens[b];
   const int kv_len = L + T;
-  int chunk = (kv_len + num_splits - 1) / num_splits;
-  chunk = (chunk + kBlockN - 1) / kBlockN * kBlockN;
+  const int chunk = split_chunk(kv_len, num_splits);
   const int kv_begin = min(kv_len, split * chunk);
   const int kv_end = min(kv_len, kv_begin + chunk);
   const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
@@ -142,82 +571,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = warp % 4, c = warp / 4;    // row group, dim/column half
   const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates
 
-  const __nv_bfloat16* kv = static_cast<const __nv_bfloat16*>(p.kv_cache);
-  const int32_t* page_row = p.page_table + (size_t)b * p.max_pages;
-  const int page_shift = __ffs(p.page_size) - 1;  // page sizes are powers of two (checked in capi.cu)
-  const int page_mask = p.page_size - 1;
-
+  const KvSource src_kv = kv_source(p, b);
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
   const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
-#if KDTREE_FLASH_SM90
-  if (kTensorCopy) {
-    if (tid == 0) {  // one arrival (the expect-tx) per fill
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed + 8) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();  // every warp waits on these barriers
-  }
-#endif
-
-  // KV gather. Tensor copies: warp 0 looks the tile's page up once (the tile lies in one page: pages hold
-  // >= 32 tokens and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box
-  // each. cp.async: warp w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for
-  // the whole warp), 72 x 16-byte chunks per row over the 32 lanes.
+  init_landed_barriers<kTensorCopy>(landed);
   auto load_tile = [&](int buf, int start) {
-    if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
-#if KDTREE_FLASH_SM90
-      if (warp == 0) {
-        const unsigned bar = landed + buf * 8;
-        if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
-        __syncwarp();
-        if (lane < kBoxes) {
-          const int row = (page_row[start >> page_shift] << page_shift) + (start & page_mask);
-          kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, &kv_map, lane * kBoxDims, row, bar);
-        }
-      }
-#endif
-      return;
-    }
-#pragma unroll
-    for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
-      const int r = warp + rr * kWarps;
-      const int pos = start + r;
-      const bool ok = pos < kv_end;
-      const __nv_bfloat16* src = kv;  // any valid address; zero bytes are read when !ok
-      if (ok) src = kv + (((size_t)page_row[pos >> page_shift] << page_shift) + (pos & page_mask)) * KDTREE_QK_DIM;
-#pragma unroll
-      for (int ch = lane; ch < kChunksPerRow; ch += 32)
-        cp_async_16(kv_smem + buf * kBufBytes + kv_chunk_offset(r, ch), src + ch * 8, ok ? 16 : 0);
-    }
-    cp_async_commit();
+    load_kv_tile<kTensorCopy>(src_kv, &kv_map, kv_smem, landed, kv_end, warp, lane, buf, start);
   };
   if (num_tiles > 0) load_tile(0, kv_begin);
 
-  // Q fragments for rows 16g + gid (+8), k-step ks = dims 32ks + 16c + [0, 16): loaded once, kept in registers.
+  // This thread's two rows: lo = 16g + gid, hi = lo + 8.
+  const int r_lo = row0 + g * 16 + gid;
   uint32_t qf[kKSteps][4];
-  {
-    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + (size_t)q0 * H * KDTREE_QK_DIM;
-    const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
-    const __nv_bfloat16* q_lo = qb + (size_t)r_lo * KDTREE_QK_DIM + c * 16 + tig * 2;
-    const __nv_bfloat16* q_hi = qb + (size_t)r_hi * KDTREE_QK_DIM + c * 16 + tig * 2;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      qf[ks][0] = load_pair(q_lo + ks * 32, r_lo < R);
-      qf[ks][1] = load_pair(q_hi + ks * 32, r_hi < R);
-      qf[ks][2] = load_pair(q_lo + ks * 32 + 8, r_lo < R);
-      qf[ks][3] = load_pair(q_hi + ks * 32 + 8, r_hi < R);
-    }
-  }
+  load_q_fragments(qf, p, q0, H, R, r_lo, c, tig);
 
   float o[kVTiles][4];
 #pragma unroll
   for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-
-  // Softmax state of this thread's two rows (lo = 16g + gid, hi = lo + 8), replicated across the quad.
-  const int r_lo = row0 + g * 16 + gid, r_hi = r_lo + 8;
+  RowSoftmax st;
   const float scale_log2 = p.scale * kLog2e;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
   // Per-lane byte offsets of the ldmatrix rows inside a KV box, for the even k-steps / column pairs (see
   // the fragment maps of m16n8k16). K k-step ks of half c is chunks 4ks + 2c + {0, 1} (matrix mi % 2), V
   // column pair np is chunks 4np + 2c + {0, 1} (matrix mi / 2): box ks / 2 (np / 2), chunk 4 (ks & 1) + a
@@ -230,15 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int it = 0; it < num_tiles; ++it) {
     const int buf = it & 1;
     const int start = kv_begin + it * kBlockN;
-    if (kTensorCopy && start + kBlockN <= kv_end) {
-#if KDTREE_FLASH_SM90
-      // buffer `buf` is filled for the (it / 2)-th time, every earlier fill of it a tensor copy too (only the
-      // last tile can be partial): wait for that phase of its barrier
-      mbarrier_wait_parity(landed + buf * 8, (it >> 1) & 1);
-#endif
-    } else {
-      cp_async_wait_all();
-    }
+    wait_kv_tile<kTensorCopy>(landed, kv_end, it, start);
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
     if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
 
@@ -274,80 +638,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       sacc[nt][3] = (sacc[nt][3] + v.w) * scale_log2;
     }
 
-    // ---- mask: only tiles that reach the tree or the range end. Rows past R (the padding of the last row
-    // tile) are not masked: their Q is zero, their scores finite, and their output is never written.
-    // Masking them sent that tile's CTA down this path on every tile, the slowest CTA of the launch.
-    if (start + kBlockN > L || start + kBlockN > kv_end) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = half ? r_hi : r_lo;
-        const uint64_t* mask_row = p.tree_mask + (size_t)(q0 + (r < R ? r / H : 0)) * p.mask_words;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int pos = start + nt * 8 + tig * 2 + e;
-            bool keep = pos < kv_end;
-            if (keep && pos >= L) {
-              const int node = pos - L;
-              keep = (mask_row[node / 64] >> (node % 64)) & 1ull;
-            }
-            if (!keep) sacc[nt][half * 2 + e] = -INFINITY;
-          }
-        }
-      }
-    }
-
-    // ---- online softmax in registers (a row's 32 scores live in the 4 threads of a quad)
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
-    quad_row_max(sacc, mx_lo, mx_hi);
-    // Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so
-    // P = exp2(s - m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies
-    // per thread, runs on the few tiles that raise a max (on random scores about once per CTA; rescaling on
-    // every rise of the max was ~half the tiles and measured slower with the vote). The vote keeps the
-    // branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
-    // Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the
-    // worst output error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
-    const bool rises = mx_lo > m_lo + kRescaleSlack || mx_hi > m_hi + kRescaleSlack;
-    if (__any_sync(0xffffffffu, rises)) {
-      const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-      // a row with nothing attended yet (m = -inf) has l = 0 and O = 0: any finite alpha will do
-      const float alpha_lo = mn_lo == -INFINITY ? 1.f : exp2f(m_lo - mn_lo);
-      const float alpha_hi = mn_hi == -INFINITY ? 1.f : exp2f(m_hi - mn_hi);
-      m_lo = mn_lo;
-      m_hi = mn_hi;
-      l_lo *= alpha_lo;
-      l_hi *= alpha_hi;
-#pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt) {
-        o[nt][0] *= alpha_lo;
-        o[nt][1] *= alpha_lo;
-        o[nt][2] *= alpha_hi;
-        o[nt][3] *= alpha_hi;
-      }
-    }
-    // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
-    const float base_lo = m_lo == -INFINITY ? 0.f : m_lo, base_hi = m_hi == -INFINITY ? 0.f : m_hi;
-    float sum_lo = 0.f, sum_hi = 0.f;
+    // ---- mask (only tiles that reach the tree or the range end), then the online softmax
+    if (start + kBlockN > L || start + kBlockN > kv_end) mask_scores(sacc, p, start, L, kv_end, q0, H, R, r_lo, tig);
     uint32_t pf[2][4];  // P as the A operand of P.V: two k-steps of 16 tokens
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float p0 = exp2f(sacc[nt][0] - base_lo), p1 = exp2f(sacc[nt][1] - base_lo);
-      const float p2 = exp2f(sacc[nt][2] - base_hi), p3 = exp2f(sacc[nt][3] - base_hi);
-      sum_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
-      sum_hi += p2 + p3;
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1), hi = __floats2bfloat162_rn(p2, p3);
-      // C layout (row gid / gid+8, tokens 8nt + 2tig..) is the A layout of m16n8k16: a0a1 | a2a3 | a4a5 | a6a7
-      pf[nt / 2][(nt % 2) * 2 + 0] = *reinterpret_cast<const uint32_t*>(&lo);
-      pf[nt / 2][(nt % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&hi);
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off *= 2) {
-      sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
-      sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
-    }
-    l_lo += sum_lo;
-    l_hi += sum_hi;
+    softmax_tile(sacc, st, o, pf);
 
     // ---- O[16 rows, 256 columns of half c] += P[16, 32] . V[32, 256]
 #pragma unroll
@@ -363,34 +657,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // ---- epilogue: normalise; write bf16 out + lse, or this split's fp32 partial + lse
-  const size_t rows_total = (size_t)p.total_q * H;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = half ? r_hi : r_lo;
-    if (r >= R) continue;
-    const float l = half ? l_hi : l_lo;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? ((half ? m_hi : m_lo) + log2f(l)) * kLn2 : -INFINITY;
-    const size_t grow = (size_t)q0 * H + r;
-    if (num_splits == 1) {
-      // n-tile nt is value columns 32 (nt / 2) + 16c + 8 (nt % 2) + [0, 8)
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * 16 + tig * 2;
-#pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 32 + (nt % 2) * 8) =
-            __floats2bfloat162_rn(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
-      if (c == 0 && tig == 0) p.lse[grow] = lse;
-    } else {
-      float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
-                    c * 16 + tig * 2;
-#pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<float2*>(ws_o + (nt / 2) * 32 + (nt % 2) * 8) = make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
-      float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-      if (c == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
-    }
-  }
+  store_rows(p, o, st, q0, H, R, r_lo, c, tig, split, num_splits);
 }
 
 // Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row.
@@ -480,24 +747,34 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   FlashPlan plan{};
   plan.num_m_tiles = (p.max_qlen * p.num_heads + kBlockM - 1) / kBlockM;
-  const long base = (long)p.batch * plan.num_m_tiles;
   // One CTA per SM. A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q
   // load, the 128 KB fp32 partial and its share of the combine); the kernel's time is the number of waves
-  // times that. Pick the split count s minimising waves(s) * (tiles / s + 6), keeping >= 256 tokens
-  // (8 tiles) per split. (v2 used waves / s + 0.01 (s - 1), which under-split: see NOTES.md.)
+  // times the longest CTA's. Pick the split count s, and how many splits' ranges a narrow CTA covers (1 or 2),
+  // minimising that, keeping >= 256 tokens (8 tiles) per split. A narrow tile is charged kNarrowTileCost of a
+  // full one; the planner counts the largest request's row tiles (every request alike in the targets).
+  // (v2 used waves / s + 0.01 (s - 1), which under-split: see NOTES.md.)
   const double tiles = (double)p.max_kv_len / kBlockN;
+  const int last_rows = p.max_qlen * p.num_heads - (plan.num_m_tiles - 1) * kBlockM;
+  const long narrow = last_rows <= kNarrowRows ? 1 : 0, full = plan.num_m_tiles - narrow;
   const int by_len = (p.max_kv_len + 255) / 256;
   const int max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
-  int splits = 1;
+  int splits = 1, span = 1;
   double best = 1e300;
-  for (int s = 1; s <= max_splits; ++s) {
-    const long waves = (base * s + sm_count - 1) / sm_count;
-    const double cost = (double)waves * (tiles / s + 6.0);
-    if (cost < best * (1 - 1e-9)) {
-      best = cost;
-      splits = s;
+  for (int sp = 1; sp <= (narrow ? 2 : 1); ++sp) {
+    for (int s = 1; s <= max_splits; ++s) {
+      const long ctas = (long)p.batch * (full * s + narrow * ((s + sp - 1) / sp));
+      const long waves = (ctas + sm_count - 1) / sm_count;
+      const double full_cta = full ? tiles / s + 6.0 : 0.0;
+      const double narrow_cta = narrow ? kNarrowTileCost * tiles * (s < sp ? s : sp) / s + 6.0 : 0.0;
+      const double cost = (double)waves * (full_cta > narrow_cta ? full_cta : narrow_cta);
+      if (cost < best * (1 - 1e-9)) {
+        best = cost;
+        splits = s;
+        span = sp;
+      }
     }
   }
+  plan.narrow_span = narrow ? span : 0;
   plan.num_splits = splits;
   plan.workspace_bytes =
       splits > 1 ? (size_t)splits * p.total_q * p.num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
@@ -513,18 +790,28 @@ static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
          encode_kv_tensor_map(p.kv_cache, (uint64_t)p.num_pages * p.page_size, kBlockN, map);
 }
 
-template <int kGroups>
-static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, bool programmatic, cudaStream_t stream) {
+// Launches `kernel` on `grid` behind the previous launch in the stream: programmatically (it may start once every
+// CTA of that one has started; it waits in griddepcontrol.wait for that grid's writes) on sm_90+.
+template <class... Params, class... Args>
+static cudaError_t launch_behind(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem, bool programmatic,
+                                cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3((unsigned)((size_t)p.total_q * p.num_heads));
-  cfg.blockDim = dim3(kGroups * kCombineColumnThreads);
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, verify_attn_combine_kernel<kGroups>, p, num_splits);
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+template <int kGroups>
+static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, bool programmatic, cudaStream_t stream) {
+  return launch_behind(verify_attn_combine_kernel<kGroups>, dim3((unsigned)((size_t)p.total_q * p.num_heads)),
+                       kGroups * kCombineColumnThreads, 0, programmatic, stream, p, num_splits);
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
@@ -534,16 +821,27 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
   if (err != cudaSuccess) return err;
-  const bool sm90 = major >= 9;  // tensor copies and the programmatic combine launch
+  const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
   const auto kernel = tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
+  const int narrow_elsewhere = plan.narrow_span > 0;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, kv_map);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
   err = cudaGetLastError();
-  if (err != cudaSuccess || plan.num_splits == 1) return err;
+  if (err != cudaSuccess) return err;
+  if (narrow_elsewhere) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave
+    const auto narrow = tensor_copy ? verify_attn_flash_narrow_kernel<true> : verify_attn_flash_narrow_kernel<false>;
+    err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    const dim3 narrow_grid((plan.num_splits + plan.narrow_span - 1) / plan.narrow_span, p.batch);
+    err = launch_behind(narrow, narrow_grid, kThreads, kSmemBytes, sm90, stream, p, plan.num_splits, plan.narrow_span,
+                        kv_map);
+    if (err != cudaSuccess) return err;
+  }
+  if (plan.num_splits == 1) return cudaSuccess;
   // Groups of splits per row: as few as fill the GPU's threads (1, 2 or 4, at most the split count). Few rows
   // (T x H small) need the groups to have loads enough in flight; with many rows, groups only add the
   // shared-memory sum and its barrier (measured: NOTES.md, flash v13).

@@ -66,6 +66,7 @@ cudaError_t launch_verify_attn_naive(const VerifyAttnParams& p, cudaStream_t str
 struct FlashPlan {
   int num_m_tiles;  // ceil(max_qlen * num_heads / 64)
   int num_splits;   // KV splits per (request, row tile)
+  int narrow_span;  // splits whose KV range one narrow CTA (a row tile of <= 16 rows) covers
   size_t workspace_bytes;
 };
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count);
