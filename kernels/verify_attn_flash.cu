@@ -349,7 +349,9 @@ __device__ __forceinline__ void wait_kv_tile(unsigned landed, int kv_end, int it
 // shared memory, in a fixed order. The CTA covers the KV range of `span` splits (the planner counts it so) and
 // the CTAs of the other splits leave an empty partial (store_empty_partial).
 constexpr int kNarrowRows = 16;
-constexpr double kNarrowTileCost = 0.5;  // a narrow tile's time over a full tile's, for the planner
+// A narrow tile's time over a full tile's, for the planner: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow
+// CTA over two splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
+constexpr double kNarrowTileCost = 0.5;
 
 // The partial of a split whose range a narrow CTA of an earlier split covers: lse = -inf and O = 0 for the rows
 // [row0, R), so the combine gives it weight 0 (its O must be finite: 0 x NaN is NaN).
@@ -767,7 +769,7 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
       const double full_cta = full ? tiles / s + 6.0 : 0.0;
       const double narrow_cta = narrow ? kNarrowTileCost * tiles * (s < sp ? s : sp) / s + 6.0 : 0.0;
       const double cost = (double)waves * (full_cta > narrow_cta ? full_cta : narrow_cta);
-      if (cost < best * (1 - 1e-9)) {
+      if (cost < best * (1 - 1e-3)) {  // a near tie keeps the fewer splits: fewer partials to write and merge
         best = cost;
         splits = s;
         span = sp;

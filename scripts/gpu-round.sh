@@ -111,7 +111,7 @@ fi
 step ceilings python3 -m kdev bench --ceilings
 for sw in ${SWEEP//,/ }; do
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
-    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${NORMALIZE:+--normalize-by "$NORMALIZE"}
+    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${BASELINE:+${NORMALIZE:+--normalize-by "$NORMALIZE"}}
 done
 if [ -n "$AB_KERNELS" ]; then
   ab_dir="$(mktemp -d)"  # the bench documents stay there: only the summaries come back
