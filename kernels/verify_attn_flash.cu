@@ -34,12 +34,17 @@
 //   instructions. Smaller pages, and a range's last partial tile, gather each row through the page table
 //   with cp.async (16-byte chunks) into the same layout: its zero-fill past the end is needed there (TMA has
 //   none, and the slots past a range may hold NaN, which times P = 0 is NaN).
+// * Narrow row tiles: a request's last row tile of <= 16 rows (with H = 8 every tree of 2^k + 1 nodes leaves 8)
+//   runs in verify_attn_flash_narrow_kernel: its four row groups take the same 16 rows, each on 8 of every
+//   tile's 32 tokens (a quarter of the tensor work per tile), keep four online softmaxes and merge them at the
+//   end; one such CTA covers the KV range of one or two splits. It is launched programmatically behind the
+//   full-tile kernel, so its CTAs take the SMs the full tiles leave.
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
-//   combine kernel merges them weighted by exp(lse_s - lse), launched programmatically on sm_90+ so that its
-//   launch overlaps the last tiles. The split count depends only on the shapes, and every reduction runs in
+//   combine kernel merges them weighted by exp(lse_s - lse), launched programmatically on sm_90+ behind the
+//   last of the kernels above so that its launch overlaps the last tiles. The split count depends only on the shapes, and every reduction runs in
 //   a fixed order: the same inputs give the same bits on every run.
-// mma.sync m16n8k16 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
+// mma.sync m16n8k16 / m16n8k8 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -25,7 +25,8 @@
 # kernels | tar -x -C build/ab-base`, carried to the GPU machine); it is built into a library of its own
 # (kdev build --kernels), and for each --sweep the base and the working tree's library (the candidate) are
 # timed in turn, base then candidate, twice, each candidate judged against the base just before it
-# (--normalize-by applies: a candidate SLOW at any shape ends its step with bench's regression exit code, 1);
+# (--normalize-by applies: a candidate SLOW at any shape ends its step with bench's regression exit code, 1; the
+# plain bench step takes --normalize-by only beside --baseline, which it needs);
 # scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt.
 # With --kernel-times, the base library's launches are timed too (kernel-times-base.txt).
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and

@@ -100,6 +100,32 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
     assert torch.equal(again_lse, first_lse)
 
 
+@pytest.mark.parametrize("prefix_lens,nodes,heads,page_size,split", [
+    ((30000,), 65, 8, 64, True),         # 520 rows: 8 full tiles + 8 rows, 15 splits, a narrow CTA over two (the
+                                         # last over one), the other slot an empty partial
+    ((20000, 9000, 31000), 17, 8, 64, True),  # 136 rows per request, ragged prefixes (17 splits, two per narrow CTA)
+    ((30000,), 2, 8, 64, True),          # 16 rows: the whole request one narrow tile, a narrow CTA per split
+    ((5000, 300), 1, 8, 1, True),        # 8 rows at page size 1 (cp.async)
+    ((200, 90), 2, 8, 64, False),        # too short to split: the narrow kernel writes the output itself
+])
+def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split):
+    """Row tiles of <= 16 rows run in the narrow kernel (four token groups on the same rows, merged at the end),
+    covering one or two splits' KV ranges and leaving the other slot an empty partial in the NaN-poisoned workspace.
+    Every form must match float64 and give the same bits on every run."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    spec = config.CaseSpec(name=f"narrow-n{nodes}-h{heads}-p{page_size}", prefix_lens=prefix_lens,
+                           tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=page_size, seed=seed,
+                           model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    out0, lse0 = lib.alloc_outputs(x)
+    assert (lib.flash_splits(lib.params(x, out0, lse0)) > 1) == split
+    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
+    again, again_lse = lib.run("flash", x)
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+    assert torch.equal(again_lse, first_lse)
+
+
 def test_limits_t1025_and_h64(lib):
     for spec in [
         config.CaseSpec("t1025", (3000,), config.TreeSpec("random", nodes=1025), 8, 1, 77, "kimi-k2.6",
