@@ -258,6 +258,15 @@ __device__ __forceinline__ SharedStorage& shared_storage(unsigned char* smem_raw
   return *reinterpret_cast<SharedStorage*>(smem_raw);
 }
 
+// Request b's rows: heads H, its first node q0 in q, its T nodes and R = T H rows (row = node H + head).
+struct RequestRows {
+  int H, q0, T, R;
+};
+__device__ __forceinline__ RequestRows request_rows(const VerifyAttnParams& p, int b) {
+  const int q0 = p.q_indptr[b], T = p.q_indptr[b + 1] - q0;
+  return {p.num_heads, q0, T, T * p.num_heads};
+}
+
 // The split-KV cut: split s of request range [0, kv_len) is [s chunk, (s + 1) chunk), chunk a multiple of the tile.
 __device__ __forceinline__ int split_chunk(int kv_len, int num_splits) {
   const int chunk = (kv_len + num_splits - 1) / num_splits;
@@ -522,10 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   SharedStorage& sm = shared_storage(smem_raw);
   const int split = blockIdx.x * span, b = blockIdx.y;
-  const int H = p.num_heads;
-  const int q0 = p.q_indptr[b];
-  const int T = p.q_indptr[b + 1] - q0;
-  const int R = T * H;
+  const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
   if (R > 0 && R - row0 <= kNarrowRows) {
     const int L = p.prefix_lens[b];
@@ -554,10 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   SharedStorage& sm = shared_storage(smem_raw);
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-  const int H = p.num_heads;
-  const int q0 = p.q_indptr[b];
-  const int T = p.q_indptr[b + 1] - q0;
-  const int R = T * H;
+  const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = m_tile * kBlockM;
   if (row0 >= R) return;  // this request has fewer row tiles than the largest one
   if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
