@@ -234,20 +234,27 @@ def _build_info_source(info: dict) -> str:
 
 
 _RE_DIAG = re.compile(r"^(.+?)\((\d+)\): (error|warning)[^:]*: (.*)$")
+# the host compiler's (g++) form, for errors in the host pass of a .cu file: file:line:col: error: message
+_RE_HOST_DIAG = re.compile(r"^(.+?):(\d+):(?:\d+:)? (?:fatal )?error: (.*)$")
 
 
 def _compiler_errors(text: str) -> list[str]:
-    """nvcc / cicc diagnostics as 'file:line: error: message' lines (errors only)."""
+    """nvcc / cicc and host-compiler diagnostics as 'file:line: error: message' lines (errors only)."""
+    def located(path: str, line_no: str, message: str) -> str:
+        try:
+            path = str(Path(path).resolve().relative_to(Path.cwd()))
+        except ValueError:
+            pass
+        return f"{path}:{line_no}: error: {message}"
+
     out = []
     for line in text.splitlines():
         m = _RE_DIAG.match(line.strip())
+        h = _RE_HOST_DIAG.match(line.strip())
         if m and m.group(3) == "error":
-            path = m.group(1)
-            try:
-                path = str(Path(path).resolve().relative_to(Path.cwd()))
-            except ValueError:
-                pass
-            out.append(f"{path}:{m.group(2)}: error: {m.group(4)}")
+            out.append(located(m.group(1), m.group(2), m.group(4)))
+        elif h:
+            out.append(located(h.group(1), h.group(2), h.group(3)))
         elif " error" in line.lower() and ("ptxas" in line or "nvlink" in line or "fatal" in line.lower()):
             out.append(line.strip())
     return out

@@ -112,6 +112,24 @@ def test_compiler_error_names_file_and_line(tmp_path, build_config):
         kbuild.build(build_config(tmp_path / "build", ["sm_90"]), kernel_dir=kdir)
 
 
+def test_compiler_errors_read_device_and_host_diagnostics_not_ptxas_info():
+    """The host compiler's file:line:col form counts as an error too, so a failed build names it first rather
+    than a ptxas info line of another file."""
+    text = "\n".join([
+        "ptxas info    : Compiling entry function '_Z4peakiPf' for 'sm_90'",
+        "kernels/a.cu: In constructor 'Ring<kCopy>::Ring(int)':",
+        "kernels/a.cu:277:146: error: there are no arguments to '__ffs' that depend on a template parameter",
+        "kernels/b.cu(12): error: identifier \"x\" is undefined",
+        "kernels/b.cu(13): warning #177-D: variable \"y\" was declared but never referenced",
+        "kernels/c.cu:3:10: fatal error: missing.cuh: No such file or directory",
+    ])
+    assert kbuild._compiler_errors(text) == [
+        "kernels/a.cu:277: error: there are no arguments to '__ffs' that depend on a template parameter",
+        'kernels/b.cu:12: error: identifier "x" is undefined',
+        "kernels/c.cu:3: error: missing.cuh: No such file or directory",
+    ]
+
+
 def test_missing_nvcc_is_environment_error(monkeypatch, tmp_path):
     monkeypatch.delenv("NVCC", raising=False)
     monkeypatch.delenv("CUDA_HOME", raising=False)
