@@ -5,13 +5,16 @@
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
-#                               [--profile-only] [--kernel-times SWEEP] [--ab KERNELS_DIR] [--step-timeout SECONDS]
+#                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
+#                               [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
-# and the SASS with per-instruction counters (CSV). --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
+# and the SASS with per-instruction counters (CSV); --profile-kernel picks which kernel of the call (a regex, default
+# verify_attn_flash_kernel: the full-tile kernel; verify_attn_flash_narrow_kernel for the narrow last tiles).
+# --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
 # does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections and raw
 # metrics in one text file, to stay within the files a round returns): two rungs one piece apart say what that
 # piece costs where.
@@ -37,10 +40,11 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL=verify_attn_flash_kernel STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
-    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--kernel-times|--ab|--step-timeout)
+    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
+    --step-timeout)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -56,6 +60,7 @@ while [ $# -gt 0 ]; do
     --profile) PROFILES+=("$2"); shift 2 ;;
     --profile-loop) LOOP_PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
+    --profile-kernel) PROFILE_KERNEL="$2"; shift 2 ;;
     --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
     --ab) AB_KERNELS="$2"; shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
@@ -137,7 +142,7 @@ fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
   rep="$(mktemp -d)/$name"
-  step "$name" ncu --clock-control none --set full --import-source no --kernel-name regex:verify_attn_flash_kernel \
+  step "$name" ncu --clock-control none --set full --import-source no --kernel-name "regex:$PROFILE_KERNEL" \
     --launch-skip 2 --launch-count 1 -o "$rep" --log-file "$OUT/$name.log" \
     python3 -m kdev bench --shape "$shape" --backend flash
   # the report as text: the sections, every raw metric (stall reasons per issued instruction among them),
