@@ -452,7 +452,8 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
 @app.command("sass")
 @command
 def sass_cmd(
-    kernel: str = typer.Option("verify_attn_flash_kernel", "--kernel", help="Kernel name (or part of it)."),
+    kernel: str = typer.Option("verify_attn_flash", "--kernel",
+                               help="Kernel name (or part of it); the default matches both flash kernels."),
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
     json_out: bool = JsonOpt,

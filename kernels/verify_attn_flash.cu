@@ -42,8 +42,8 @@
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
 //   combine kernel merges them weighted by exp(lse_s - lse), launched programmatically on sm_90+ behind the
-//   last of the kernels above so that its launch overlaps the last tiles. The split count depends only on the shapes, and every reduction runs in
-//   a fixed order: the same inputs give the same bits on every run.
+//   last of the kernels above so that its launch overlaps the last tiles. The split count depends only on the
+//   shapes, and every reduction runs in a fixed order: the same inputs give the same bits on every run.
 // mma.sync m16n8k16 / m16n8k8 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -121,8 +121,9 @@ def test_sass_command_on_a_built_library(sm90_library):
     doc = json.loads(out.stdout)
     loops = doc["loops"]
     assert all(r["arch"] == "sm_90" for r in loops)
-    # both forms of the template: tensor copies (pages >= 32 tokens) and cp.async only
-    assert {r["kernel"] for r in loops} == {"verify_attn_flash_kernel<true>", "verify_attn_flash_kernel<false>"}
+    # the full-tile and the narrow kernel, each in both forms: tensor copies (pages >= 32 tokens) and cp.async only
+    assert {r["kernel"] for r in loops} == {f"verify_attn_flash_{k}kernel<{b}>" for k in ("", "narrow_")
+                                            for b in ("true", "false")}
     for r in loops:
         assert r["hmma"] > 0 and sum(r["chains"].values()) <= r["hmma"]
     bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
