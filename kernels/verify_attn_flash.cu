@@ -52,6 +52,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kdev/flash_plan.cuh"
 #include "kdev/kv_tensor_map.cuh"
 #include "kdev/mbarrier.cuh"
 #include "kdev/mma_sync.cuh"
@@ -60,8 +61,6 @@
 namespace kdtree {
 namespace {
 
-constexpr int kBlockM = 64;                    // rows (node x head) per CTA
-constexpr int kBlockN = 32;                    // KV tokens per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBoxDims = kKvBoxDims;           // dims per 128-byte box row
@@ -362,10 +361,6 @@ __device__ __forceinline__ void wait_kv_tile(unsigned landed, int kv_end, int it
 // and pair exchange. Each group keeps its own online softmax; the four (m, l, O) merge once at the end through
 // shared memory, in a fixed order. The CTA covers the KV range of `span` splits (the planner counts it so) and
 // the CTAs of the other splits leave an empty partial (store_empty_partial).
-constexpr int kNarrowRows = 16;
-// A narrow tile's time over a full tile's, for the planner: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow
-// CTA over two splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
-constexpr double kNarrowTileCost = 0.5;
 
 // The partial of a split whose range a narrow CTA of an earlier split covers: lse = -inf and O = 0 for the rows
 // [row0, R), so the combine gives it weight 0 (its O must be finite: 0 x NaN is NaN).
@@ -678,7 +673,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 // (The first form, one 128-thread CTA per row walking the splits with each load behind the previous one's
 // weight, took 10-20 µs per call at the target shapes: NOTES.md.)
 constexpr int kCombineColumnThreads = KDTREE_V_DIM / 4;  // 128: 4 value columns each
-constexpr int kMaxSplits = 64;                           // plan_verify_attn_flash caps the split count there
 
 template <int kGroups>
 __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
@@ -755,37 +749,12 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
 }  // namespace
 
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
+  const FlashSplitPlan split = plan_flash_splits(p.batch, p.max_qlen, p.num_heads, p.max_kv_len, sm_count);
   FlashPlan plan{};
-  plan.num_m_tiles = (p.max_qlen * p.num_heads + kBlockM - 1) / kBlockM;
-  // One CTA per SM. A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q
-  // load, the 128 KB fp32 partial and its share of the combine); the kernel's time is the number of waves
-  // times the longest CTA's. Pick the split count s, and how many splits' ranges a narrow CTA covers (1 or 2),
-  // minimising that, keeping >= 256 tokens (8 tiles) per split. A narrow tile is charged kNarrowTileCost of a
-  // full one; the planner counts the largest request's row tiles (every request alike in the targets).
-  // (v2 used waves / s + 0.01 (s - 1), which under-split: see NOTES.md.)
-  const double tiles = (double)p.max_kv_len / kBlockN;
-  const int last_rows = p.max_qlen * p.num_heads - (plan.num_m_tiles - 1) * kBlockM;
-  const long narrow = last_rows <= kNarrowRows ? 1 : 0, full = plan.num_m_tiles - narrow;
-  const int by_len = (p.max_kv_len + 255) / 256;
-  const int max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
-  int splits = 1, span = 1;
-  double best = 1e300;
-  for (int sp = 1; sp <= (narrow ? 2 : 1); ++sp) {
-    for (int s = 1; s <= max_splits; ++s) {
-      const long ctas = (long)p.batch * (full * s + narrow * ((s + sp - 1) / sp));
-      const long waves = (ctas + sm_count - 1) / sm_count;
-      const double full_cta = full ? tiles / s + 6.0 : 0.0;
-      const double narrow_cta = narrow ? kNarrowTileCost * tiles * (s < sp ? s : sp) / s + 6.0 : 0.0;
-      const double cost = (double)waves * (full_cta > narrow_cta ? full_cta : narrow_cta);
-      if (cost < best * (1 - 1e-3)) {  // a near tie keeps the fewer splits: fewer partials to write and merge
-        best = cost;
-        splits = s;
-        span = sp;
-      }
-    }
-  }
-  plan.narrow_span = narrow ? span : 0;
-  plan.num_splits = splits;
+  plan.num_m_tiles = split.num_m_tiles;
+  plan.num_splits = split.num_splits;
+  plan.narrow_span = split.narrow_span;
+  const int splits = split.num_splits;
   plan.workspace_bytes =
       splits > 1 ? (size_t)splits * p.total_q * p.num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
   return plan;
