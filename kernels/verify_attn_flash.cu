@@ -250,11 +250,12 @@ __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const floa
   }
 }
 
-// The dynamic shared memory, which starts at the declared 1,024-byte alignment (nothing static precedes it); a
-// misplaced base would break the swizzle silently, so it traps instead.
-__device__ __forceinline__ SharedStorage& shared_storage(unsigned char* smem_raw) {
-  if (static_cast<unsigned>(__cvta_generic_to_shared(smem_raw)) & 1023u) __trap();
-  return *reinterpret_cast<SharedStorage*>(smem_raw);
+// The dynamic shared memory of both flash kernels, which starts at the declared 1,024-byte alignment (nothing
+// static precedes it); a misplaced base would break the swizzle silently, so it traps instead.
+extern __shared__ __align__(1024) unsigned char flash_smem[];
+__device__ __forceinline__ SharedStorage& shared_storage() {
+  if (static_cast<unsigned>(__cvta_generic_to_shared(flash_smem)) & 1023u) __trap();
+  return *reinterpret_cast<SharedStorage*>(flash_smem);
 }
 
 // Request b's rows: heads H, its first node q0 in q, its T nodes and R = T H rows (row = node H + head).
@@ -516,15 +517,13 @@ template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int span,
                                     const __grid_constant__ CUtensorMap kv_map) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-#if !KDTREE_FLASH_SM90
-  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
-#endif
 #if KDTREE_FLASH_SM90
   // The combine kernel behind this one may launch once every CTA of this grid has started.
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#else
+  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
 #endif
-  SharedStorage& sm = shared_storage(smem_raw);
+  SharedStorage& sm = shared_storage();
   const int split = blockIdx.x * span, b = blockIdx.y;
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
@@ -548,11 +547,10 @@ template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
                              const __grid_constant__ CUtensorMap kv_map) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
 #if !KDTREE_FLASH_SM90
   if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
 #endif
-  SharedStorage& sm = shared_storage(smem_raw);
+  SharedStorage& sm = shared_storage();
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const auto [H, q0, T, R] = request_rows(p, b);
