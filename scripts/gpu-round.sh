@@ -6,7 +6,7 @@
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
-#                               [--step-timeout SECONDS]
+#                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -32,6 +32,12 @@
 # plain bench step takes --normalize-by only beside --baseline, which it needs);
 # scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt.
 # With --kernel-times, the base library's launches are timed too (kernel-times-base.txt).
+# --variants build/variants/q2/kernels,build/variants/comb2/kernels: several other kernels/ trees timed beside the
+# working tree in this machine start, each built into a library of its own and named by its folder (the one above
+# kernels/). Per --sweep the working tree runs first and last (their drift is the noise band) and every variant in
+# between; scripts/variants_summary.py puts each variant's medians and its ratio to the tree into
+# variants-SWEEP.txt. A variant that does one stage twice prices that stage (the timing method for places inside a
+# call that no counter separates); one that changes a stage is a candidate, to confirm with --ab.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -41,10 +47,11 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL=verify_attn_flash_kernel STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
+VARIANTS=()
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
-    --step-timeout)
+    --variants|--step-timeout)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -63,12 +70,20 @@ while [ $# -gt 0 ]; do
     --profile-kernel) PROFILE_KERNEL="$2"; shift 2 ;;
     --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
     --ab) AB_KERNELS="$2"; shift 2 ;;
+    --variants) IFS=, read -ra more <<< "$2"; VARIANTS+=("${more[@]}"); shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
 [ -z "$AB_KERNELS" ] || [ -d "$AB_KERNELS/include" ] || { echo "--ab $AB_KERNELS: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
+declare -A VARIANT_DIR
+for dir in "${VARIANTS[@]}"; do
+  [ -d "$dir/include" ] || { echo "--variants $dir: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
+  name="$(basename "$dir")"; [ "$name" != kernels ] || name="$(basename "$(dirname "$dir")")"
+  [ -z "${VARIANT_DIR[$name]:-}" ] || { echo "--variants: two variants named $name (the folder above kernels/)" >&2; exit 2; }
+  VARIANT_DIR[$name]="$dir"
+done
 LOG="$OUT/round.log"
 declare -A RC
 step() {  # step NAME CMD...: run under the step time limit, log, remember the exit code
@@ -134,6 +149,29 @@ if [ -n "$AB_KERNELS" ]; then
     python3 scripts/ab_summary.py ${NORMALIZE:+--normalize-by "$NORMALIZE"} "$ab_dir/base-$sw-1.json" "$ab_dir/cand-$sw-1.json" \
       "$ab_dir/base-$sw-2.json" "$ab_dir/cand-$sw-2.json" > "$OUT/ab-$sw.txt" 2>&1
     tee -a "$LOG" < "$OUT/ab-$sw.txt"
+  done
+fi
+if [ ${#VARIANTS[@]} -gt 0 ]; then
+  var_dir="$(mktemp -d)"
+  declare -A VARIANT_LIB
+  for name in "${!VARIANT_DIR[@]}"; do
+    step "variant-build-$name" bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ \
+      "${VARIANT_DIR[$name]}" "$var_dir/build-$name.json"
+    lib="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$var_dir/build-$name.json" 2>/dev/null)"
+    [ -z "$lib" ] || VARIANT_LIB[$name]="$lib"
+  done
+  for sw in ${SWEEP//,/ }; do
+    step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}
+    timed=()
+    for name in "${!VARIANT_LIB[@]}"; do
+      step "variants-$sw-$name" python3 -m kdev bench --library "${VARIANT_LIB[$name]}" --sweep "$sw" \
+        --out-json "$var_dir/$name-$sw.json" ${BACKENDS:+--backend "$BACKENDS"}
+      [ "${RC[variants-$sw-$name]}" != 0 ] || timed+=("$name=$var_dir/$name-$sw.json")
+    done
+    step "variants-$sw-tree-2" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-2.json" ${BACKENDS:+--backend "$BACKENDS"}
+    python3 scripts/variants_summary.py "$var_dir/tree-$sw-1.json" "$var_dir/tree-$sw-2.json" "${timed[@]}" \
+      > "$OUT/variants-$sw.txt" 2>&1
+    tee -a "$LOG" < "$OUT/variants-$sw.txt"
   done
 fi
 # last: the longest step (a killed round keeps everything above)

@@ -1,5 +1,6 @@
 """scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; the
-summaries of its --kernel-times step (scripts/kernel_times.py) and of its --ab step (scripts/ab_summary.py)."""
+summaries of its --kernel-times step (scripts/kernel_times.py), of its --ab step (scripts/ab_summary.py) and of its
+--variants step (scripts/variants_summary.py)."""
 
 import json
 import subprocess
@@ -29,7 +30,7 @@ def test_unknown_option_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
 
 
-@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab"])
+@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab", "--variants"])
 def test_an_option_without_its_value_is_refused(tmp_path, option):
     r = run(tmp_path, option)
     assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
@@ -41,6 +42,19 @@ def test_ab_needs_a_kernels_tree(tmp_path):
     r = run(tmp_path, "--ab", str(tmp_path / "not-kernels"))
     assert r.returncode == 2
     assert r.stderr.strip() == f"--ab {tmp_path / 'not-kernels'}: not a copy of kernels/ (no include/ folder)"
+    assert not (tmp_path / "out" / "round.log").exists()
+
+
+def test_variants_need_kernels_trees_with_distinct_names(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name / "kernels" / "include").mkdir(parents=True)
+    (tmp_path / "not-kernels").mkdir()
+    r = run(tmp_path, "--variants", f"{tmp_path / 'a' / 'kernels'},{tmp_path / 'not-kernels'}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"--variants {tmp_path / 'not-kernels'}: not a copy of kernels/ (no include/ folder)"
+    # named by the folder above kernels/: a and b differ, a given twice (in two options) does not
+    r = run(tmp_path, "--variants", str(tmp_path / "a" / "kernels"), "--variants", str(tmp_path / "a" / "kernels"))
+    assert r.returncode == 2 and r.stderr.strip() == "--variants: two variants named a (the folder above kernels/)"
     assert not (tmp_path / "out" / "round.log").exists()
 
 
@@ -115,3 +129,33 @@ def test_ab_summary_refuses_odd_or_unreadable_input(tmp_path):
     assert ab_summary(str(tmp_path / "one.json")).returncode == 2
     r = ab_summary(str(tmp_path / "missing.json"), str(tmp_path / "missing2.json"))
     assert r.returncode == 1 and r.stderr.startswith("cannot read a bench result")
+
+
+def variants_summary(*args):
+    return subprocess.run([sys.executable, str(SCRIPT.parent / "variants_summary.py"), *args], capture_output=True,
+                          text=True)
+
+
+def test_variants_summary_compares_each_variant_with_the_mean_of_the_tree_runs(tmp_path):
+    shape = "B1-L32768-N16-H8-p64"
+    files = [bench_doc(tmp_path / "t1.json", {(shape, "flash"): 60.0}),
+             bench_doc(tmp_path / "t2.json", {(shape, "flash"): 62.0}),
+             "q2=" + bench_doc(tmp_path / "q2.json", {(shape, "flash"): 64.05}),
+             "comb2=" + bench_doc(tmp_path / "comb2.json", {(shape, "flash"): 58.56})]
+    r = variants_summary(*files)
+    assert r.returncode == 0, r.stderr
+    head, row = r.stdout.splitlines()[0].split(), r.stdout.splitlines()[1].split()
+    assert head[5:] == ["q2", "vs-tree", "comb2", "vs-tree"]
+    assert row[2:5] == ["60.0", "62.0", "+3.3%"]  # the tree's drift over the round
+    assert row[5:] == ["64.0", "+5.0%", "58.6", "-4.0%"]  # against (60 + 62) / 2 = 61
+
+
+def test_variants_summary_refuses_bad_input(tmp_path):
+    t = bench_doc(tmp_path / "t.json", {("s", "flash"): 1.0})
+    assert variants_summary(t, t).returncode == 2  # no variant
+    assert variants_summary(t, t, t).returncode == 2  # a variant without its name
+    r = variants_summary(t, t, "x=" + str(tmp_path / "missing.json"))
+    assert r.returncode == 1 and r.stderr.startswith("cannot read a bench result")
+    other = bench_doc(tmp_path / "o.json", {("other", "flash"): 1.0})
+    r = variants_summary(t, t, "x=" + other)
+    assert r.returncode == 1 and r.stderr.strip() == "no shape and backend timed in every file"
