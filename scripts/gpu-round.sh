@@ -166,7 +166,9 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
     for name in "${!VARIANT_LIB[@]}"; do
       step "variants-$sw-$name" python3 -m kdev bench --library "${VARIANT_LIB[$name]}" --sweep "$sw" \
         --out-json "$var_dir/$name-$sw.json" ${BACKENDS:+--backend "$BACKENDS"}
-      [ "${RC[variants-$sw-$name]}" != 0 ] || timed+=("$name=$var_dir/$name-$sw.json")
+      # a build that failed its resource gate (spills) still wrote a library: timed, and named so in the summary
+      label="$name"; [ "${RC[variant-build-$name]}" = 0 ] || label="$name-gatefail"
+      [ "${RC[variants-$sw-$name]}" != 0 ] || timed+=("$label=$var_dir/$name-$sw.json")
     done
     step "variants-$sw-tree-2" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-2.json" ${BACKENDS:+--backend "$BACKENDS"}
     python3 scripts/variants_summary.py "$var_dir/tree-$sw-1.json" "$var_dir/tree-$sw-2.json" "${timed[@]}" \
