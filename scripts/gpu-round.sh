@@ -37,7 +37,8 @@
 # kernels/). Per --sweep the working tree runs first and last (their drift is the noise band) and every variant in
 # between; scripts/variants_summary.py puts each variant's medians and its ratio to the tree into
 # variants-SWEEP.txt. A variant that does one stage twice prices that stage (the timing method for places inside a
-# call that no counter separates); one that changes a stage is a candidate, to confirm with --ab.
+# call that no counter separates); one that changes a stage is a candidate, to confirm with --ab. A variant whose
+# build fails the resource gate (spills) is still timed, as NAME-gatefail.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
