@@ -103,6 +103,10 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
     echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
   fi
 }
+build_kernels() {  # build_kernels STEP KERNELS_DIR JSON: another kernels/ tree into its own library -> $BUILT_LIB
+  step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ "$2" "$3"
+  BUILT_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$3" 2>/dev/null)"
+}
 kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one bench sweep's flash and combine launches
   local name="$1"; shift
   local csv_path; csv_path="$(mktemp -d)/$name.csv"  # one row per launch: only the summary comes back
@@ -137,8 +141,7 @@ for sw in ${SWEEP//,/ }; do
 done
 if [ -n "$AB_KERNELS" ]; then
   ab_dir="$(mktemp -d)"  # the bench documents stay there: only the summaries come back
-  step ab-build bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ "$AB_KERNELS" "$ab_dir/build.json"
-  AB_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$ab_dir/build.json" 2>/dev/null)"
+  build_kernels ab-build "$AB_KERNELS" "$ab_dir/build.json"; AB_LIB="$BUILT_LIB"
   for sw in ${SWEEP//,/ }; do
     [ -n "$AB_LIB" ] || break
     for pair in 1 2; do
@@ -156,10 +159,8 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
   var_dir="$(mktemp -d)"
   declare -A VARIANT_LIB
   for name in "${!VARIANT_DIR[@]}"; do
-    step "variant-build-$name" bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ \
-      "${VARIANT_DIR[$name]}" "$var_dir/build-$name.json"
-    lib="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$var_dir/build-$name.json" 2>/dev/null)"
-    [ -z "$lib" ] || VARIANT_LIB[$name]="$lib"
+    build_kernels "variant-build-$name" "${VARIANT_DIR[$name]}" "$var_dir/build-$name.json"
+    [ -z "$BUILT_LIB" ] || VARIANT_LIB[$name]="$BUILT_LIB"
   done
   for sw in ${SWEEP//,/ }; do
     step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}
