@@ -154,11 +154,20 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], const VerifyAttnP
   }
 }
 
-// Online softmax state of a thread's two rows (lo = gid, hi = gid + 8 of its 16-row group), replicated across
-// the quad: reference max m (log2 units) and the running sum l.
+// Online softmax state of a thread's two rows (lo = gid, hi = gid + 8 of its 16-row group): the reference max m
+// (log2 units), replicated across the quad, and this thread's share of the running sum l (its own columns; the quad's
+// four shares are added once, by reduce_row_sums, before the epilogue).
 struct RowSoftmax {
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
 };
+
+__device__ __forceinline__ void reduce_row_sums(RowSoftmax& st) {
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    st.l_lo += __shfl_xor_sync(0xffffffffu, st.l_lo, off);
+    st.l_hi += __shfl_xor_sync(0xffffffffu, st.l_hi, off);
+  }
+}
 
 // One tile of the online softmax on a 16 x 8NT score tile (log2 units, masked): updates the row state, rescales O
 // when the reference max moves, and returns P as bf16 A fragments, pf[nt / 2][2 (nt % 2)] (row lo) and
@@ -167,17 +176,25 @@ struct RowSoftmax {
 // Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so P = exp2(s -
 // m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies per thread, runs on the
 // few tiles that raise a max (on random scores about once per CTA; rescaling on every rise of the max was ~half
-// the tiles and measured slower with the vote). The vote keeps the branch warp-uniform; both warps of a row group
-// hold the same scores, so they decide alike.
+// the tiles and measured slower with the vote). Whether a row's max rose that far is known from each thread's own
+// scores (some thread of the row's quad holds the row max), so the warp votes on those and only the rare tile that
+// moves a max pays the quad reductions: the common tile has no shuffle between its scores and its exponentials. The
+// vote keeps the branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
 // Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the worst output
 // error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
 template <int NT>
 __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, float (&o)[kVTiles][4],
                                              uint32_t (&pf)[(NT + 1) / 2][NT > 1 ? 4 : 2]) {
-  float mx_lo = -INFINITY, mx_hi = -INFINITY;
-  quad_row_max(s, mx_lo, mx_hi);
-  const bool rises = mx_lo > st.m_lo + kRescaleSlack || mx_hi > st.m_hi + kRescaleSlack;
+  float own_lo = -INFINITY, own_hi = -INFINITY;  // this thread's max of each row
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    own_lo = fmaxf(own_lo, fmaxf(s[nt][0], s[nt][1]));
+    own_hi = fmaxf(own_hi, fmaxf(s[nt][2], s[nt][3]));
+  }
+  const bool rises = own_lo > st.m_lo + kRescaleSlack || own_hi > st.m_hi + kRescaleSlack;
   if (__any_sync(0xffffffffu, rises)) {
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+    quad_row_max(s, mx_lo, mx_hi);
     const float mn_lo = fmaxf(st.m_lo, mx_lo), mn_hi = fmaxf(st.m_hi, mx_hi);
     // a row with nothing attended yet (m = -inf) has l = 0 and O = 0: any finite alpha will do
     const float alpha_lo = mn_lo == -INFINITY ? 1.f : exp2f(st.m_lo - mn_lo);
@@ -196,25 +213,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
   }
   // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
   const float base_lo = st.m_lo == -INFINITY ? 0.f : st.m_lo, base_hi = st.m_hi == -INFINITY ? 0.f : st.m_hi;
-  float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const float p0 = exp2f(s[nt][0] - base_lo), p1 = exp2f(s[nt][1] - base_lo);
     const float p2 = exp2f(s[nt][2] - base_hi), p3 = exp2f(s[nt][3] - base_hi);
-    sum_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
-    sum_hi += p2 + p3;
+    st.l_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
+    st.l_hi += p2 + p3;
     const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1), hi = __floats2bfloat162_rn(p2, p3);
     // C layout (row gid / gid+8, tokens 8nt + 2tig..) is the A layout: a0a1 | a2a3 (| a4a5 | a6a7 for k16)
     pf[nt / 2][(nt % 2) * 2 + 0] = *reinterpret_cast<const uint32_t*>(&lo);
     pf[nt / 2][(nt % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&hi);
   }
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, off);
-    sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, off);
-  }
-  st.l_lo += sum_lo;
-  st.l_hi += sum_hi;
 }
 
 // Epilogue of a 16-row group's half c: normalise and write bf16 out + lse, or this split's fp32 partial + lse.
@@ -454,6 +463,7 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
 
   // ---- merge the four token groups. First the rows' combined max and sum, over the groups in order; then O,
   // each group's scaled to the combined max, summed through shared memory as (g0 + g2) + (g1 + g3).
+  reduce_row_sums(st);
   __syncthreads();  // every warp is done with the KV buffers and s_part (the last tile starts no copy)
   float2* row_ml = reinterpret_cast<float2*>(&sm.s_part[0][0][0]);  // [token group][16 rows]: (m, l)
   if (c == 0 && tig == 0) {
@@ -660,6 +670,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  reduce_row_sums(st);
   store_rows(p, o, st, q0, H, R, r_lo, c, tig, split, num_splits);
 }
 
