@@ -36,9 +36,10 @@
 # working tree in this machine start, each built into a library of its own and named by its folder (the one above
 # kernels/). Per --sweep the working tree runs first and last (their drift is the noise band) and every variant in
 # between; scripts/variants_summary.py puts each variant's medians and its ratio to the tree into
-# variants-SWEEP.txt. Each variant is first verified (smoke suite and --fuzz 50, flash only: variant-verify-NAME). A variant that does one stage twice prices that stage (the timing method for places inside a
-# call that no counter separates); one that changes a stage is a candidate, to confirm with --ab. A variant whose
-# build fails the resource gate (spills) is still timed, as NAME-gatefail.
+# variants-SWEEP.txt. Each variant is verified first (smoke suite and --fuzz 20, flash only: variant-verify-NAME).
+# A variant that does one stage twice prices that stage (the timing method for places inside a call that no counter
+# separates); one that changes a stage is a candidate, to confirm with --ab. A variant whose build fails the
+# resource gate (spills) is still timed, as NAME-gatefail.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -163,7 +164,7 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
     [ -z "$BUILT_LIB" ] || VARIANT_LIB[$name]="$BUILT_LIB"
     # checked before it is timed: the smoke suite (page sizes 1 and 64, ragged batches) and a short fuzz, flash only
     [ -z "$BUILT_LIB" ] || step "variant-verify-$name" bash -c 'python3 -m kdev verify --library "$1" --suite smoke \
-      --kernel flash && python3 -m kdev verify --library "$1" --fuzz 50 --kernel flash' _ "$BUILT_LIB"
+      --kernel flash && python3 -m kdev verify --library "$1" --fuzz 20 --kernel flash' _ "$BUILT_LIB"
   done
   for sw in ${SWEEP//,/ }; do
     step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}
