@@ -15,8 +15,10 @@
 //   half-sums meet in shared memory. Splitting by dims rather than tokens keeps Q at 72 registers instead
 //   of 144.
 // * Softmax in fp32 registers on the mma accumulator layout (a row's 32 scores sit in one quad), exp2
-//   with log2(e) folded into the scale, against a lazy reference max that moves only when a row's max
-//   rises by more than 2^8 (so the O rescale runs on few tiles). Tiles entirely inside the prefix skip
+//   (ex2.approx) with log2(e) folded into the scale, against a lazy reference max that moves only when a row's
+//   max rises by more than 2^8 (so the O rescale runs on few tiles). Each thread tests its own scores for that
+//   rise and the warp votes, so only a tile that moves a max runs the quad reductions; each thread keeps its
+//   share of the row sums, added across the quad once before the epilogue. Tiles entirely inside the prefix skip
 //   the mask; the others read the node's bitmask row. P feeds P.V directly as bf16 A fragments; the row
 //   sum adds the unrounded fp32 values, so lse stays fp32-exact (summing the rounded values biased lse by
 //   up to ~1e-3 on peaked rows: measured, see NOTES.md).
@@ -126,6 +128,14 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[kKSteps][4], con
   }
 }
 
+// 2^x by the MUFU unit directly (ex2.approx.ftz): exp2f wraps it in a range check and two scalings for subnormal
+// results, which a softmax term below 2^-126 of its row max never needs (it flushes to 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // The tree mask and the range end on a 16 x 8NT score tile in accumulator layout whose n-tile nt holds tokens
 // tok0 + 8nt + [0, 8): a token past kv_end, or a tree node that is not an ancestor-or-self of the row's node,
 // scores -inf. Rows past R (the padding of the last row tile) are not masked: their Q is zero, their scores
@@ -215,8 +225,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
   const float base_lo = st.m_lo == -INFINITY ? 0.f : st.m_lo, base_hi = st.m_hi == -INFINITY ? 0.f : st.m_hi;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const float p0 = exp2f(s[nt][0] - base_lo), p1 = exp2f(s[nt][1] - base_lo);
-    const float p2 = exp2f(s[nt][2] - base_hi), p3 = exp2f(s[nt][3] - base_hi);
+    const float p0 = fast_exp2(s[nt][0] - base_lo), p1 = fast_exp2(s[nt][1] - base_lo);
+    const float p2 = fast_exp2(s[nt][2] - base_hi), p3 = fast_exp2(s[nt][3] - base_hi);
     st.l_lo += p0 + p1;  // unrounded: keeps lse fp32-accurate (the bf16 rounding of P is unbiased noise)
     st.l_hi += p2 + p3;
     const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1), hi = __floats2bfloat162_rn(p2, p3);
