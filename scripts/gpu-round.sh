@@ -6,7 +6,8 @@
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
-#                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--step-timeout SECONDS]
+#                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
+#                               [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -40,6 +41,9 @@
 # A variant that does one stage twice prices that stage (the timing method for places inside a call that no counter
 # separates); one that changes a stage is a candidate, to confirm with --ab. A variant whose build fails the
 # resource gate (spills) is still timed, as NAME-gatefail.
+# --variant-patch variants/NAME.patch: a variant made from the working tree's kernels/ with that patch applied
+# (scripts/variant-tree.sh), named NAME and timed with the --variants trees; the patches travel with the working tree,
+# so nothing needs to be carried. A patch that does not apply to the tree is refused before anything runs.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -49,11 +53,11 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL=verify_attn_flash_kernel STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
-VARIANTS=()
+VARIANTS=() PATCHES=()
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
-    --variants|--step-timeout)
+    --variants|--variant-patch|--step-timeout)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -73,12 +77,20 @@ while [ $# -gt 0 ]; do
     --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
     --ab) AB_KERNELS="$2"; shift 2 ;;
     --variants) IFS=, read -ra more <<< "$2"; VARIANTS+=("${more[@]}"); shift 2 ;;
+    --variant-patch) IFS=, read -ra more <<< "$2"; PATCHES+=("${more[@]}"); shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
 [ -z "$AB_KERNELS" ] || [ -d "$AB_KERNELS/include" ] || { echo "--ab $AB_KERNELS: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
+if [ ${#PATCHES[@]} -gt 0 ]; then
+  patch_dir="$(mktemp -d)"
+  for f in "${PATCHES[@]}"; do
+    tree="$(bash scripts/variant-tree.sh "$f" "$patch_dir")" || exit 2
+    VARIANTS+=("$tree")
+  done
+fi
 declare -A VARIANT_DIR
 for dir in "${VARIANTS[@]}"; do
   [ -d "$dir/include" ] || { echo "--variants $dir: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }

@@ -1,4 +1,5 @@
-"""scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; the
+"""scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; a variant tree from a
+patch (scripts/variant-tree.sh, behind --variant-patch); the
 summaries of its --kernel-times step (scripts/kernel_times.py), of its --ab step (scripts/ab_summary.py) and of its
 --variants step (scripts/variants_summary.py)."""
 
@@ -30,7 +31,8 @@ def test_unknown_option_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
 
 
-@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab", "--variants"])
+@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab", "--variants",
+                                    "--variant-patch"])
 def test_an_option_without_its_value_is_refused(tmp_path, option):
     r = run(tmp_path, option)
     assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
@@ -54,6 +56,46 @@ def test_variants_need_kernels_trees_with_distinct_names(tmp_path):
     # named by the folder above kernels/: the same tree given twice (in two options) has one name twice
     r = run(tmp_path, "--variants", str(tmp_path / "a" / "kernels"), "--variants", str(tmp_path / "a" / "kernels"))
     assert r.returncode == 2 and r.stderr.strip() == "--variants: two variants named a (the folder above kernels/)"
+    assert not (tmp_path / "out" / "round.log").exists()
+
+
+TREE_SCRIPT = SCRIPT.parent / "variant-tree.sh"
+KERNELS = SCRIPT.parents[1] / "kernels"
+
+
+def comment_patch(path: Path, text: str, context: str | None = None) -> Path:
+    """A unified diff (paths kernels/...) that adds a comment line after the first line of kernels/verify_attn.cu;
+    with `context`, its context line is that text instead of the file's (so it does not apply)."""
+    lines = (KERNELS / "verify_attn.cu").read_text().splitlines()
+    first = context if context is not None else lines[0]
+    path.write_text(f"--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n@@ -1,2 +1,3 @@\n {first}\n+{text}\n"
+                    f" {lines[1]}\n")
+    return path
+
+
+def test_variant_tree_is_the_working_kernels_with_the_patch_applied(tmp_path):
+    patch = comment_patch(tmp_path / "flash-probe.patch", "// probe line")
+    r = subprocess.run(["bash", str(TREE_SCRIPT), str(patch), str(tmp_path / "trees")], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    tree = Path(r.stdout.strip())
+    assert tree == tmp_path / "trees" / "flash-probe" / "kernels"  # named by the patch
+    patched = (tree / "verify_attn.cu").read_text().splitlines()
+    assert patched[1] == "// probe line" and patched[2:] == (KERNELS / "verify_attn.cu").read_text().splitlines()[1:]
+    for f in KERNELS.rglob("*"):  # everything else as in the working tree; the working tree itself untouched
+        if f.is_file() and f.name != "verify_attn.cu":
+            assert (tree / f.relative_to(KERNELS)).read_bytes() == f.read_bytes()
+    assert "// probe line" not in (KERNELS / "verify_attn.cu").read_text()
+
+
+def test_variant_patch_that_is_missing_or_does_not_apply_is_refused(tmp_path):
+    r = run(tmp_path, "--variant-patch", str(tmp_path / "none.patch"))
+    assert r.returncode == 2 and r.stderr.strip() == f"--variant-patch {tmp_path / 'none.patch'}: no such file"
+    stale = comment_patch(tmp_path / "stale.patch", "// probe line", context="// not the first line of the file")
+    r = run(tmp_path, "--variant-patch", str(stale))
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith(f"--variant-patch {stale}: does not apply to the working tree's kernels/ (")
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "round.log").exists()
 
 
