@@ -1,7 +1,7 @@
 """scripts/gpu-round.sh: bad options are refused (exit 2, one line) before any GPU work starts; a variant tree from a
-patch (scripts/variant-tree.sh, behind --variant-patch); the
-summaries of its --kernel-times step (scripts/kernel_times.py), of its --ab step (scripts/ab_summary.py) and of its
---variants step (scripts/variants_summary.py)."""
+patch (scripts/variant-tree.sh, behind --variant-patch); the summaries of its --kernel-times step
+(scripts/kernel_times.py), of its --ab step (scripts/ab_summary.py) and of its --variants step
+(scripts/variants_summary.py)."""
 
 import json
 import subprocess
