@@ -53,6 +53,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kdev/flash_plan.cuh"
 #include "kdev/kv_tensor_map.cuh"
@@ -77,15 +78,27 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
 // The 128-byte swizzle repeats every 1,024 B: the storage starts on a 1,024-byte boundary.
+// The lockstep kernels (a block barrier per tile; every kernel on sm_120, the cp.async kernels everywhere).
 struct __align__(1024) SharedStorage {
   __nv_bfloat16 kv[2][kBoxes][kBlockN][kBoxDims];  // 73,728 B: double-buffered KV tile, boxes, chunks swizzled
-  float4 s_part[kWarps][4][32];                    // 16,384 B: each warp's half-dim partial scores, fragment order
+  float4 s_part[1][kWarps][4][32];                 // 16,384 B: each warp's half-dim partial scores, fragment order
   uint64_t landed[2];                              // TMA: one mbarrier per KV buffer
 };
 constexpr int kSmemBytes = (int)sizeof(SharedStorage);
 
-// sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the one source must fit it.
+// sm_120 (RTX PRO 6000) allows 101,376 B of dynamic shared memory per block: the lockstep kernels must fit it.
 static_assert(kSmemBytes <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
+
+// The teams kernels (tensor copies where a block may hold this much: sm_90's 232,448 B; not sm_120's 101,376 B):
+// a three-deep KV ring and the pair exchange in two slots, so that no barrier makes all eight warps meet per tile.
+constexpr int kKvBufs = 3;
+struct __align__(1024) TeamsStorage {
+  __nv_bfloat16 kv[kKvBufs][kBoxes][kBlockN][kBoxDims];  // 110,592 B: KV tile ring, boxes, chunks swizzled
+  float4 s_part[2][kWarps][4][32];  // 32,768 B: each warp's half-dim partial scores, fragment order, by tile parity
+  uint64_t landed[kKvBufs];         // one mbarrier per KV buffer: its tensor copies landed
+  uint32_t released[kKvBufs];       // warps done with the buffer, counted up (the eighth copies the next tile in)
+};
+constexpr int kTeamsSmemBytes = (int)sizeof(TeamsStorage);
 
 // Tensor copies, mbarrier transaction counts, the async-proxy fence and the programmatic launch of the combine
 // kernel (griddepcontrol) are sm_90+ (sm_120 has them too); an sm_80 build has only the cp.async path and a
@@ -94,6 +107,13 @@ static_assert(kSmemBytes <= 101376, "flash verify tile exceeds sm_120's shared m
 #define KDTREE_FLASH_SM90 1
 #else
 #define KDTREE_FLASH_SM90 0
+#endif
+// The teams kernels need kTeamsSmemBytes per block: sm_90 to sm_11x have 227 KB, sm_120 has 99 KB (no body there;
+// the host launches them only where the device's opt-in limit holds TeamsStorage).
+#if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200)
+#define KDTREE_FLASH_TEAMS 1
+#else
+#define KDTREE_FLASH_TEAMS 0
 #endif
 
 __device__ __forceinline__ void cp_async_16(unsigned s, const void* gmem, int src_bytes) {
@@ -272,9 +292,10 @@ __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const floa
 // The dynamic shared memory of both flash kernels, which starts at the declared 1,024-byte alignment (nothing
 // static precedes it); a misplaced base would break the swizzle silently, so it traps instead.
 extern __shared__ __align__(1024) unsigned char flash_smem[];
-__device__ __forceinline__ SharedStorage& shared_storage() {
+template <typename Storage = SharedStorage>
+__device__ __forceinline__ Storage& shared_storage() {
   if (static_cast<unsigned>(__cvta_generic_to_shared(flash_smem)) & 1023u) __trap();
-  return *reinterpret_cast<SharedStorage*>(flash_smem);
+  return *reinterpret_cast<Storage*>(flash_smem);
 }
 
 // Request b's rows: heads H, its first node q0 in q, its T nodes and R = T H rows (row = node H + head).
@@ -326,23 +347,36 @@ __device__ __forceinline__ void init_landed_barriers(unsigned landed) {
 // and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box each. cp.async: warp
 // w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for the whole warp), 72 x
 // 16-byte chunks per row over the 32 lanes.
+// The tensor copies of a full tile, by the calling warp.
+__device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
+                                             unsigned landed, int lane, int buf, int start) {
+#if KDTREE_FLASH_SM90
+  const unsigned bar = landed + buf * 8;
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
+  __syncwarp();
+  if (lane < kBoxes) {
+    const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+    kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
+  }
+#endif
+}
+
+__device__ __forceinline__ void gather_kv_tile(const KvSource& src_kv, unsigned kv_smem, int kv_end, int warp,
+                                               int lane, int buf, int start);
+
 template <bool kTensorCopy>
 __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int kv_end, int warp, int lane, int buf, int start) {
   if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
-#if KDTREE_FLASH_SM90
-    if (warp == 0) {
-      const unsigned bar = landed + buf * 8;
-      if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
-      __syncwarp();
-      if (lane < kBoxes) {
-        const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
-        kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
-      }
-    }
-#endif
+    if (warp == 0) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start);
     return;
   }
+  gather_kv_tile(src_kv, kv_smem, kv_end, warp, lane, buf, start);
+}
+
+// cp.async: warp w copies rows w, w+8, w+16, w+24 of the tile, zero past kv_end.
+__device__ __forceinline__ void gather_kv_tile(const KvSource& src_kv, unsigned kv_smem, int kv_end, int warp,
+                                               int lane, int buf, int start) {
 #pragma unroll
   for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
     const int r = warp + rr * kWarps;
@@ -373,6 +407,46 @@ __device__ __forceinline__ void wait_kv_tile(unsigned landed, int kv_end, int it
   }
 }
 
+// ---- The teams' ring (TeamsStorage): tensor copies only, no block barrier per tile.
+// Every buffer has a landed mbarrier (one arrival, the expect-tx, per fill) and a count of the warps done with it;
+// the eighth warp done with a buffer copies the tile three ahead into it.
+__device__ __forceinline__ void init_teams_ring(TeamsStorage& sm, unsigned landed) {
+#if KDTREE_FLASH_TEAMS
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kKvBufs; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(landed + 8 * i) : "memory");
+      sm.released[i] = 0;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // every warp waits on these barriers
+#endif
+}
+
+// This warp is done with ring buffer buf, which held the tile at `start`; the range has a tile three ahead. The
+// count's acquire-release orders every warp's reads of the buffer before the copy's writes (and the async-proxy
+// fence the generic reads before the tensor copy).
+__device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, const CUtensorMap* kv_map,
+                                                     unsigned kv_smem, unsigned landed, int lane, int buf, int start) {
+#if KDTREE_FLASH_TEAMS
+  constexpr unsigned kReleasedOff = offsetof(TeamsStorage, released) - offsetof(TeamsStorage, landed);
+  __syncwarp();
+  unsigned last = 0;
+  if (lane == 0) {
+    unsigned old;
+    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;\n"
+                 : "=r"(old)
+                 : "r"(landed + kReleasedOff + buf * 4)
+                 : "memory");
+    last = (old % kWarps) == kWarps - 1;
+  }
+  if (__shfl_sync(0xffffffffu, last, 0)) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start + kKvBufs * kBlockN);
+  }
+#endif
+}
+
 // ---- The narrow row tile: a CTA whose row tile has at most kNarrowRows rows.
 // With H = 8 every target has T H = 8 (2^k + 1) rows, 64 m + 8: the last row tile holds 8 rows and, as a full
 // tile, costs as much as any other (a third of the work at N16, a ninth at N64). In a narrow CTA the four row
@@ -395,22 +469,32 @@ __device__ __forceinline__ void store_empty_partial(const VerifyAttnParams& p, i
   if (threadIdx.x < R - row0) ws_lse[(size_t)split * rows_total + grow0 + threadIdx.x] = -INFINITY;
 }
 
-template <bool kTensorCopy>
-__device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedStorage& sm, const CUtensorMap* kv_map,
+// kTeams (tensor copies, TeamsStorage): the teams kernel's warp map, ring and refill (verify_attn_flash_teams_kernel),
+// with the token group in place of the row group; else lockstep, a block barrier per tile.
+template <bool kTensorCopy, bool kTeams, typename Storage>
+__device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& sm, const CUtensorMap* kv_map,
                                             int b, int q0, int H, int R, int row0, int L, int kv_begin, int kv_end,
                                             int split, int num_splits) {
+  static_assert(!kTeams || kTensorCopy, "the teams' ring is filled by tensor copies only");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int tg = warp % 4, c = warp / 4;     // token group, dim/column half
+  const int tg = kTeams ? 2 * (warp / 4) + (warp % 4) / 2 : warp % 4;  // token group
+  const int c = kTeams ? warp % 2 : warp / 4;                          // dim/column half
   const int gid = lane / 4, tig = lane % 4;  // mma fragment coordinates
   const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
   const KvSource src_kv = kv_source(p, b);
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
   const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
-  init_landed_barriers<kTensorCopy>(landed);
   auto load_tile = [&](int buf, int start) {
     load_kv_tile<kTensorCopy>(src_kv, kv_map, kv_smem, landed, kv_end, warp, lane, buf, start);
   };
-  if (num_tiles > 0) load_tile(0, kv_begin);
+  if constexpr (kTeams) {
+    init_teams_ring(sm, landed);
+    if (warp == 0)
+      for (int t = 0; t < kKvBufs && t < num_tiles; ++t) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+  } else {
+    init_landed_barriers<kTensorCopy>(landed);
+    if (num_tiles > 0) load_tile(0, kv_begin);
+  }
   const float scale_log2 = p.scale * kLog2e;
 
   const int r_lo = row0 + gid;
@@ -428,12 +512,17 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
   const int mi = lane / 8;
   const unsigned lane_off = (8 * tg + lane % 8) * 128 + (((2 * c + (mi & 1) + 4 * (mi >> 1)) ^ (lane % 8)) << 4);
 
+  int ring = 0;  // with the teams' ring: it % 6 (buffer it % 3, barrier phase (it / 3) & 1, s_part slot it & 1)
   for (int it = 0; it < num_tiles; ++it) {
-    const int buf = it & 1;
+    const int buf = kTeams ? (ring >= kKvBufs ? ring - kKvBufs : ring) : (it & 1);
     const int start = kv_begin + it * kBlockN;
-    wait_kv_tile<kTensorCopy>(landed, kv_end, it, start);
-    __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
-    if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
+    if constexpr (kTeams) {
+      mbarrier_wait_parity(landed + buf * 8, ring >= kKvBufs);
+    } else {
+      wait_kv_tile<kTensorCopy>(landed, kv_end, it, start);
+      __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
+      if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
+    }
     const unsigned tile = kv_smem + buf * kBufBytes + lane_off;
 
     // S partial = Q[16 rows, dims half c] . K[8 tokens]^T: even and odd k-steps in two chains
@@ -448,10 +537,11 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
     float s[1][4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[0][e] = sacc[0][e] + sacc[1][e];
-    sm.s_part[warp][0][lane] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
+    const int slot = kTeams ? (ring & 1) : 0;
+    sm.s_part[slot][warp][0][lane] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
     asm volatile("bar.sync %0, 64;\n" ::"r"(1 + tg) : "memory");
     {
-      const float4 v = sm.s_part[warp ^ 4][0][lane];  // own + partner: the same bits in both warps
+      const float4 v = sm.s_part[slot][warp ^ (kTeams ? 1 : 4)][0][lane];  // own + partner: the same bits in both warps
       s[0][0] = (s[0][0] + v.x) * scale_log2;
       s[0][1] = (s[0][1] + v.y) * scale_log2;
       s[0][2] = (s[0][2] + v.z) * scale_log2;
@@ -461,13 +551,23 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
     uint32_t pf[1][2];
     softmax_tile(s, st, o, pf);
 
-    // O[16 rows, 256 columns of half c] += P[16, 8] . V[8 tokens, 256]
+    // O[16 rows, 256 columns of half c] += P[16, 8] . V[8 tokens, 256]. With the teams' ring the tail tile is a
+    // tensor copy, so its V elements past kv_end (tokens 8tg + 2tig + {0, 1} of a fragment register) are zeroed.
+    uint32_t keep = ~0u;
+    if (kTeams && start + kBlockN > kv_end) {
+      const int t0 = start + 8 * tg + 2 * tig;
+      keep = (t0 < kv_end ? 0xffffu : 0u) | (t0 + 1 < kv_end ? 0xffff0000u : 0u);
+    }
 #pragma unroll
     for (int j = 0; j < kVTiles / 4; ++j) {
       uint32_t bf[4];
       ldmatrix_x4_trans(bf, tile + j * kBoxBytes);
 #pragma unroll
-      for (int m = 0; m < 4; ++m) mma_bf16_k8(o[4 * j + m], pf[0][0], pf[0][1], bf[m]);
+      for (int m = 0; m < 4; ++m) mma_bf16_k8(o[4 * j + m], pf[0][0], pf[0][1], kTeams ? bf[m] & keep : bf[m]);
+    }
+    if constexpr (kTeams) {
+      if (start + kKvBufs * kBlockN < kv_end) release_teams_buffer(src_kv, kv_map, kv_smem, landed, lane, buf, start);
+      ring = ring == 2 * kKvBufs - 1 ? 0 : ring + 1;
     }
   }
 
@@ -475,7 +575,7 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
   // each group's scaled to the combined max, summed through shared memory as (g0 + g2) + (g1 + g3).
   reduce_row_sums(st);
   __syncthreads();  // every warp is done with the KV buffers and s_part (the last tile starts no copy)
-  float2* row_ml = reinterpret_cast<float2*>(&sm.s_part[0][0][0]);  // [token group][16 rows]: (m, l)
+  float2* row_ml = reinterpret_cast<float2*>(&sm.s_part[0][0][0][0]);  // [token group][16 rows]: (m, l)
   if (c == 0 && tig == 0) {
     row_ml[tg * 16 + gid] = make_float2(st.m_lo, st.l_lo);
     row_ml[tg * 16 + gid + 8] = make_float2(st.m_hi, st.l_hi);
@@ -533,7 +633,7 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, SharedSto
   store_rows(p, o, merged, q0, H, R, r_lo, c, tig, split, num_splits);
 }
 
-template <bool kTensorCopy>
+template <bool kTensorCopy, bool kTeams>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int span,
                                     const __grid_constant__ CUtensorMap kv_map) {
@@ -543,7 +643,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #else
   if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
 #endif
-  SharedStorage& sm = shared_storage();
+#if !KDTREE_FLASH_TEAMS
+  if (kTeams) return;  // TeamsStorage does not fit a block here: never launched
+#endif
+  using Storage = std::conditional_t<kTeams, TeamsStorage, SharedStorage>;
+  Storage& sm = shared_storage<Storage>();
   const int split = blockIdx.x * span, b = blockIdx.y;
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
@@ -554,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int kv_begin = min(kv_len, split * chunk);
     const int kv_end = min(kv_len, kv_begin + span * chunk);
     for (int s = split + 1; s < split + span && s < num_splits; ++s) store_empty_partial(p, q0, H, R, row0, s, num_splits);
-    narrow_rows<kTensorCopy>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end, split, num_splits);
+    narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end, split, num_splits);
   }
 #if KDTREE_FLASH_SM90
   // Launched behind the full-tile kernel (programmatically), and the combine kernel behind this one waits only for
@@ -650,11 +754,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
-      sm.s_part[warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
+      sm.s_part[0][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
     asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory");
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const float4 v = sm.s_part[warp ^ 4][nt][lane];
+      const float4 v = sm.s_part[0][warp ^ 4][nt][lane];
       sacc[nt][0] = (sacc[nt][0] + v.x) * scale_log2;
       sacc[nt][1] = (sacc[nt][1] + v.y) * scale_log2;
       sacc[nt][2] = (sacc[nt][2] + v.z) * scale_log2;
@@ -682,6 +786,158 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   reduce_row_sums(st);
   store_rows(p, o, st, q0, H, R, r_lo, c, tig, split, num_splits);
+}
+
+// ---- The tensor-copy kernel (sm_90+, pages of >= 32 tokens): two teams of warps out of phase.
+// Team A = warps 0-3 (row groups 0, 1), team B = warps 4-7 (row groups 2, 3); warp w = (row group g = 2 (w / 4) +
+// (w % 4) / 2, half c = w % 2), pair partner w ^ 1. The two warps that share a scheduler (w and w + 4) are in
+// different teams, so one's exchange and softmax can run under the other's ldmatrix and mma. No block barrier per
+// tile: the KV ring is three buffers deep; each warp waits for its tile's tensor copies itself, and the eighth warp
+// done with a buffer copies the tile three ahead into it (a counter per buffer, acquire-release). The pair exchange
+// alternates between two s_part slots, so a pair meets once per tile. Every tile is a tensor copy, the range's
+// partial last one too: its rows past kv_end hold whatever the pool holds there (NaN included), so their scores are
+// masked (as any past kv_end) and their V elements zeroed in the fragments before P.V (0 x NaN is NaN).
+__global__ void __launch_bounds__(kThreads, 1)
+    verify_attn_flash_teams_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
+                                   const __grid_constant__ CUtensorMap kv_map) {
+#if KDTREE_FLASH_TEAMS
+  TeamsStorage& sm = shared_storage<TeamsStorage>();
+
+  const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const auto [H, q0, T, R] = request_rows(p, b);
+  const int row0 = m_tile * kBlockM;
+  if (row0 >= R) return;  // this request has fewer row tiles than the largest one
+  if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
+  // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
+  // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
+  // spent while the last tiles run. A no-op without a dependent launch.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int L = p.prefix_lens[b];
+  const int kv_len = L + T;
+  const int chunk = split_chunk(kv_len, num_splits);
+  const int kv_begin = min(kv_len, split * chunk);
+  const int kv_end = min(kv_len, kv_begin + chunk);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = 2 * (warp / 4) + (warp % 4) / 2, c = warp % 2;  // row group, dim/column half
+  const int gid = lane / 4, tig = lane % 4;                      // mma fragment coordinates
+
+  const KvSource src_kv = kv_source(p, b);
+  const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
+  const unsigned landed = kv_smem + offsetof(TeamsStorage, landed);  // one base register for all of shared memory
+  init_teams_ring(sm, landed);
+  if (warp == 0)
+    for (int t = 0; t < kKvBufs && kv_begin + t * kBlockN < kv_end; ++t)
+      copy_kv_tile(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+
+  // This thread's two rows: lo = 16g + gid, hi = lo + 8.
+  const int r_lo = row0 + g * 16 + gid;
+  uint32_t qf[kKSteps][4];
+  load_q_fragments(qf, p, q0, H, R, r_lo, c, tig);
+
+  float o[kVTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+  RowSoftmax st;
+  const float scale_log2 = p.scale * kLog2e;
+  // Per-lane byte offsets of the ldmatrix rows inside a KV box: as in verify_attn_flash_kernel.
+  const int mi = lane / 8;
+  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * 128 + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
+
+  // Tile it's place in the ring and the pair's barrier, one register: ring = it % 6 + 8 (1 + g). The tile's buffer is
+  // it % 3, the phase of that buffer's barriers (it / 3) & 1, its s_part slot it & 1. (1 + g in a register of its own
+  // was the value ptxas spilled.)
+  int ring = 8 * (1 + g);
+  for (int start = kv_begin; start < kv_end; start += kBlockN) {
+    const int ring_it = ring & 7;
+    const int buf = ring_it >= kKvBufs ? ring_it - kKvBufs : ring_it;
+    mbarrier_wait_parity(landed + buf * 8, ring_it >= kKvBufs);
+
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, then the pair exchange (as in
+    // verify_attn_flash_kernel), through s_part slot it & 1.
+    float sacc[4][4] = {};
+    {
+      // The K lane offset is ((mi / 2) 8 + lane % 8) 128 + ((2c + mi % 2) ^ (lane % 8)) 16: the V one for matrices
+      // mi = 0, 3 and the V one with bits 4 and 10 flipped for mi = 1, 2. Derived here from a fresh read of the lane
+      // index: in a register of its own across the loop it was the value ptxas spilled.
+      unsigned lane_now;
+      asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane_now));
+      const unsigned k_lane_off = v_lane_off ^ ((((lane_now >> 3) ^ (lane_now >> 4)) & 1) * 1040);
+      const unsigned kbuf = kv_smem + buf * kBufBytes;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t bf[4], bg[4];
+        const unsigned ka = kbuf + (ks >> 1) * kBoxBytes + (k_lane_off ^ ((ks & 1) << 6));
+        ldmatrix_x4(bf, ka);
+        ldmatrix_x4(bg, ka + 16 * 128);
+        mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
+        mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
+        mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
+        mma_bf16(sacc[3], qf[ks], bg[2], bg[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+      sm.s_part[ring_it & 1][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
+    asm volatile("bar.sync %0, 64;\n" ::"r"(ring >> 3) : "memory");
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float4 v = sm.s_part[ring_it & 1][warp ^ 1][nt][lane];
+      sacc[nt][0] = (sacc[nt][0] + v.x) * scale_log2;
+      sacc[nt][1] = (sacc[nt][1] + v.y) * scale_log2;
+      sacc[nt][2] = (sacc[nt][2] + v.z) * scale_log2;
+      sacc[nt][3] = (sacc[nt][3] + v.w) * scale_log2;
+    }
+
+    // ---- mask (only tiles that reach the tree or the range end), then the online softmax
+    const bool tail = start + kBlockN > kv_end;
+    if (start + kBlockN > L || tail) mask_scores(sacc, p, start, L, kv_end, q0, H, R, r_lo, tig);
+    uint32_t pf[2][4];  // P as the A operand of P.V: two k-steps of 16 tokens
+    softmax_tile(sacc, st, o, pf);
+
+    // ---- O[16 rows, 256 columns of half c] += P[16, 32] . V[32, 256]. A V fragment register holds tokens
+    // 16kk + 8h + 2tig + {0, 1} (h = 0 for bf[0], bf[2], 1 for bf[1], bf[3]); on the tail tile those past kv_end
+    // are zeroed.
+    if (!tail) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * 128;
+#pragma unroll
+        for (int np = 0; np < kVTiles / 2; ++np) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, vbuf + (np >> 1) * kBoxBytes + (v_lane_off ^ ((np & 1) << 6)));
+          mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
+          mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * 128;
+        const int t0 = start + 16 * kk + 2 * tig;  // + 8h: the tokens of the h = 0 / 1 fragment registers
+        const uint32_t keep0 = (t0 < kv_end ? 0xffffu : 0u) | (t0 + 1 < kv_end ? 0xffff0000u : 0u);
+        const uint32_t keep1 = (t0 + 8 < kv_end ? 0xffffu : 0u) | (t0 + 9 < kv_end ? 0xffff0000u : 0u);
+#pragma unroll
+        for (int np = 0; np < kVTiles / 2; ++np) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, vbuf + (np >> 1) * kBoxBytes + (v_lane_off ^ ((np & 1) << 6)));
+          mma_bf16(o[2 * np], pf[kk], bf[0] & keep0, bf[1] & keep1);
+          mma_bf16(o[2 * np + 1], pf[kk], bf[2] & keep0, bf[3] & keep1);
+        }
+      }
+    }
+
+    if (start + kKvBufs * kBlockN < kv_end) release_teams_buffer(src_kv, &kv_map, kv_smem, landed, lane, buf, start);
+    ring = ring_it == 2 * kKvBufs - 1 ? ring - (2 * kKvBufs - 1) : ring + 1;
+  }
+
+  reduce_row_sums(st);
+  // The epilogue's row index through an opaque move: ptxas otherwise keeps its 64-bit form, made for the Q loads,
+  // in a register across the tile loop (and spilled it).
+  int r_out;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r_out) : "r"(r_lo));
+  store_rows(p, o, st, q0, H, R, r_out, c, tig, split, num_splits);
+#endif
 }
 
 // Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row.
@@ -813,29 +1069,37 @@ static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, boo
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
-  int dev = 0, major = 0, sms = 0, threads_per_sm = 0;
+  int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
   if (err != cudaSuccess) return err;
   const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
-  const auto kernel = tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md), else the lockstep ones; the
+  // arch window is the one KDTREE_FLASH_TEAMS gives a body.
+  const bool teams = tensor_copy && major < 12 && smem_optin >= kTeamsSmemBytes;
+  const int smem_bytes = teams ? kTeamsSmemBytes : kSmemBytes;
+  const auto kernel = teams ? verify_attn_flash_teams_kernel
+                            : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return err;
   const int narrow_elsewhere = plan.narrow_span > 0;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (narrow_elsewhere) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave
-    const auto narrow = tensor_copy ? verify_attn_flash_narrow_kernel<true> : verify_attn_flash_narrow_kernel<false>;
-    err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    const auto narrow = teams ? verify_attn_flash_narrow_kernel<true, true>
+                              : (tensor_copy ? verify_attn_flash_narrow_kernel<true, false>
+                                             : verify_attn_flash_narrow_kernel<false, false>);
+    err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return err;
     const dim3 narrow_grid((plan.num_splits + plan.narrow_span - 1) / plan.narrow_span, p.batch);
-    err = launch_behind(narrow, narrow_grid, kThreads, kSmemBytes, sm90, stream, p, plan.num_splits, plan.narrow_span,
+    err = launch_behind(narrow, narrow_grid, kThreads, smem_bytes, sm90, stream, p, plan.num_splits, plan.narrow_span,
                         kv_map);
     if (err != cudaSuccess) return err;
   }

@@ -14,7 +14,8 @@
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
 # and the SASS with per-instruction counters (CSV); --profile-kernel picks which kernel of the call (a regex, default
-# verify_attn_flash_kernel: the full-tile kernel; verify_attn_flash_narrow_kernel for the narrow last tiles).
+# verify_attn_flash_(teams_)?kernel: the full-tile kernel, lockstep or teams; verify_attn_flash_narrow_kernel for the
+# narrow last tiles).
 # --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
 # does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections and raw
 # metrics in one text file, to stay within the files a round returns): two rungs one piece apart say what that
@@ -52,7 +53,7 @@ OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
-PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL=verify_attn_flash_kernel STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=()
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs

@@ -28,7 +28,8 @@ def test_builds_both_archs_with_clean_resource_report(both_archs):
     cfg, res = both_archs
     assert not res.cached and res.problems == [] and res.library.is_file()
     kernels = {r["kernel"] for r in res.resources}
-    flash = {f"verify_attn_flash_{k}kernel<{b}>" for k in ("", "narrow_") for b in ("true", "false")}
+    flash = {f"verify_attn_flash_kernel<{b}>" for b in ("true", "false")} | {"verify_attn_flash_teams_kernel"}
+    flash |= {f"verify_attn_flash_narrow_kernel<{b}>" for b in ("false, false", "true, false", "true, true")}
     combine = {f"verify_attn_combine_kernel<{g}>" for g in (1, 2, 4)}
     assert {"verify_attn_naive_kernel"} | flash | combine <= kernels
     for k in kernels:

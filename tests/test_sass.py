@@ -121,9 +121,11 @@ def test_sass_command_on_a_built_library(sm90_library):
     doc = json.loads(out.stdout)
     loops = doc["loops"]
     assert all(r["arch"] == "sm_90" for r in loops)
-    # the full-tile and the narrow kernel, each in both forms: tensor copies (pages >= 32 tokens) and cp.async only
-    assert {r["kernel"] for r in loops} == {f"verify_attn_flash_{k}kernel<{b}>" for k in ("", "narrow_")
-                                            for b in ("true", "false")}
+    # the full-tile and the narrow kernel: lockstep with tensor copies (pages >= 32 tokens) or cp.async only, and
+    # the teams form (tensor copies where a block holds the three-deep ring)
+    full = {f"verify_attn_flash_kernel<{b}>" for b in ("true", "false")} | {"verify_attn_flash_teams_kernel"}
+    narrow = {f"verify_attn_flash_narrow_kernel<{b}>" for b in ("false, false", "true, false", "true, true")}
+    assert {r["kernel"] for r in loops} == full | narrow
     for r in loops:
         assert r["hmma"] > 0 and sum(r["chains"].values()) <= r["hmma"]
     bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
