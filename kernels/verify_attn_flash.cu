@@ -7,9 +7,11 @@
 // How:
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
-// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM (91,136 B of dynamic shared memory: fits
-//   sm_120's 101,376 B limit, so the same code runs on sm_90 and sm_120). Warp w = (row group g = w%4,
-//   half c = w/4).
+// * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM. The lockstep kernels (91,136 B of dynamic shared
+//   memory: fits sm_120's 101,376 B limit) run on sm_120 and wherever pages are under 32 tokens: warp w = (row group
+//   g = w%4, half c = w/4), a block barrier per tile. Where a block holds 143 KB (sm_90) the tensor-copy path runs
+//   as two teams of warps out of phase (verify_attn_flash_teams_kernel, below): no barrier that all warps meet per
+//   tile, a three-deep KV ring, and the two warps of a scheduler in different teams (v21 in NOTES.md: 2-8 % faster).
 // * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over half the dims (the 16-dim k-steps
 //   2j + c, j < 18) with Q held in registers (72 per thread, loaded once) and K read by ldmatrix; the two
 //   half-sums meet in shared memory. Splitting by dims rather than tokens keeps Q at 72 registers instead
@@ -25,8 +27,9 @@
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and the 16-column value blocks 2j + c (j < 16):
 //   128 fp32 accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512
 //   dims).
-// * KV tiles go into a double buffer (tile i+1 loads while tile i computes) as 9 boxes of 32 rows x 64 dims
-//   (128 B per row), 16-byte chunk c of a box row r stored at chunk c ^ (r & 7): the fills write whole
+// * KV tiles go into a double buffer (lockstep: tile i+1 loads while tile i computes) or the teams' three-deep ring
+//   as 9 boxes of 32 rows x 64 dims (128 B per row), 16-byte chunk c of a box row r stored at chunk c ^ (r & 7): the
+//   fills write whole
 //   128-byte lines (rows padded to 1,168 B for conflict-free ldmatrix cost 2.6 shared-memory wavefronts per
 //   128 B filled, measured; see NOTES.md) and the 8 rows of every ldmatrix still fall in 8 different banks.
 //   Interleaving the halves by 16 dims / columns (above) leaves a lane two swizzled offsets per tile
@@ -99,6 +102,7 @@ struct __align__(1024) TeamsStorage {
   uint32_t released[kKvBufs];       // warps done with the buffer, counted up (the eighth copies the next tile in)
 };
 constexpr int kTeamsSmemBytes = (int)sizeof(TeamsStorage);
+static_assert(2 * kKvBufs <= 8, "the teams kernel packs it % (2 kKvBufs) into the ring register's low 3 bits");
 
 // Tensor copies, mbarrier transaction counts, the async-proxy fence and the programmatic launch of the combine
 // kernel (griddepcontrol) are sm_90+ (sm_120 has them too); an sm_80 build has only the cp.async path and a
