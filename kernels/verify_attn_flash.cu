@@ -858,7 +858,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbarrier_wait_parity(landed + buf * 8, ring_it >= kKvBufs);
 
     // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, then the pair exchange (as in
-    // verify_attn_flash_kernel), through s_part slot it & 1.
+    // verify_attn_flash_kernel), through s_part slot it & 1. The S and P.V loops are written out in both kernels:
+    // the same loops as shared inline functions changed ptxas's schedule of the lockstep kernels (1,160 of its sm_90
+    // SASS lines), whose measured form v20 is kept.
     float sacc[4][4] = {};
     {
       // The K lane offset is ((mi / 2) 8 + lane % 8) 128 + ((2c + mi % 2) ^ (lane % 8)) 16: the V one for matrices
