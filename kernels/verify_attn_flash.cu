@@ -346,12 +346,8 @@ __device__ __forceinline__ void init_landed_barriers(unsigned landed) {
 #endif
 }
 
-// Start filling KV buffer buf (of the double buffer at kv_smem) with the tile at `start` of a range ending at
-// kv_end. Tensor copies: warp 0 looks the tile's page up once (the tile lies in one page: pages hold >= 32 tokens
-// and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box each. cp.async: warp
-// w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for the whole warp), 72 x
-// 16-byte chunks per row over the 32 lanes.
-// The tensor copies of a full tile, by the calling warp.
+// The tensor copies of a full tile at `start` into buffer buf, by the calling warp (lane 0 arms the buffer's landed
+// barrier, lanes 0-8 copy one box each).
 __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int lane, int buf, int start) {
 #if KDTREE_FLASH_SM90
@@ -365,9 +361,11 @@ __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUten
 #endif
 }
 
-__device__ __forceinline__ void gather_kv_tile(const KvSource& src_kv, unsigned kv_smem, int kv_end, int warp,
-                                               int lane, int buf, int start);
-
+// Start filling KV buffer buf (of the double buffer at kv_smem) with the tile at `start` of a range ending at
+// kv_end. Tensor copies: warp 0 looks the tile's page up once (the tile lies in one page: pages hold >= 32 tokens
+// and tiles start at multiples of 32 inside the request's range) and lanes 0-8 copy one box each. cp.async: warp
+// w copies rows w, w+8, w+16, w+24; one page-table lookup per row (the same address for the whole warp), 72 x
+// 16-byte chunks per row over the 32 lanes.
 template <bool kTensorCopy>
 __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int kv_end, int warp, int lane, int buf, int start) {
@@ -375,12 +373,6 @@ __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUten
     if (warp == 0) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start);
     return;
   }
-  gather_kv_tile(src_kv, kv_smem, kv_end, warp, lane, buf, start);
-}
-
-// cp.async: warp w copies rows w, w+8, w+16, w+24 of the tile, zero past kv_end.
-__device__ __forceinline__ void gather_kv_tile(const KvSource& src_kv, unsigned kv_smem, int kv_end, int warp,
-                                               int lane, int buf, int start) {
 #pragma unroll
   for (int rr = 0; rr < kBlockN / kWarps; ++rr) {
     const int r = warp + rr * kWarps;
