@@ -34,9 +34,10 @@
 //   128 B filled, measured; see NOTES.md) and the 8 rows of every ldmatrix still fall in 8 different banks.
 //   Interleaving the halves by 16 dims / columns (above) leaves a lane two swizzled offsets per tile
 //   instead of one per k-step.
-// * With pages of >= 32 tokens (sm_90+), a full tile is one page-table lookup and 9 TMA tensor copies (the
-//   box layout above is the hardware's 128-byte swizzle) that complete on an mbarrier: no per-thread copy
-//   instructions. Smaller pages, and a range's last partial tile, gather each row through the page table
+// * With pages of >= 32 tokens (sm_90+), a full tile is one page-table lookup and TMA tensor copies (the box
+//   layout above is the hardware's 128-byte swizzle) that complete on an mbarrier: no per-thread copy
+//   instructions. The lockstep kernels copy it as 9 boxes from lanes 0-8 (a 2-D map), the teams kernels as one
+//   3-D copy from one lane (v22 in NOTES.md: 10-14 % faster). Smaller pages, and a range's last partial tile, gather each row through the page table
 //   with cp.async (16-byte chunks) into the same layout: its zero-fill past the end is needed there (TMA has
 //   none, and the slots past a range may hold NaN, which times P = 0 is NaN).
 // * Narrow row tiles: a request's last row tile of <= 16 rows (with H = 8 every tree of 2^k + 1 nodes leaves 8)
@@ -346,17 +347,29 @@ __device__ __forceinline__ void init_landed_barriers(unsigned landed) {
 #endif
 }
 
-// The tensor copies of a full tile at `start` into buffer buf, by the calling warp (lane 0 arms the buffer's landed
-// barrier, lanes 0-8 copy one box each).
+// The tensor copies of a full tile at `start` into buffer buf, by the calling warp. kWholeTile (the teams kernels, a
+// 3-D map): lane 0 arms the buffer's landed barrier and copies the tile in one instruction. Else (the lockstep kernels,
+// a 2-D map) lanes 0-8 copy one box each. (Nine per-lane copies, issued one lane after another, by the warp that
+// released the buffer last, cost the teams kernels 10-14 % of their time: NOTES.md v22. The lockstep kernels keep their
+// measured form, SASS-identical to v20.)
+template <bool kWholeTile>
 __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int lane, int buf, int start) {
 #if KDTREE_FLASH_SM90
   const unsigned bar = landed + buf * 8;
-  if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
-  __syncwarp();
-  if (lane < kBoxes) {
-    const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
-    kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
+  if constexpr (kWholeTile) {
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(bar, kBufBytes);
+      const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+      kv_tile_copy(kv_smem + buf * kBufBytes, kv_map, row, bar);
+    }
+  } else {
+    if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
+    __syncwarp();
+    if (lane < kBoxes) {
+      const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+      kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
+    }
   }
 #endif
 }
@@ -370,7 +383,7 @@ template <bool kTensorCopy>
 __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int kv_end, int warp, int lane, int buf, int start) {
   if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
-    if (warp == 0) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start);
+    if (warp == 0) copy_kv_tile<false>(src_kv, kv_map, kv_smem, landed, lane, buf, start);
     return;
   }
 #pragma unroll
@@ -438,7 +451,7 @@ __device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, con
   }
   if (__shfl_sync(0xffffffffu, last, 0)) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start + kKvBufs * kBlockN);
+    copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, lane, buf, start + kKvBufs * kBlockN);
   }
 #endif
 }
@@ -486,7 +499,7 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& 
   if constexpr (kTeams) {
     init_teams_ring(sm, landed);
     if (warp == 0)
-      for (int t = 0; t < kKvBufs && t < num_tiles; ++t) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+      for (int t = 0; t < kKvBufs && t < num_tiles; ++t) copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
   } else {
     init_landed_barriers<kTensorCopy>(landed);
     if (num_tiles > 0) load_tile(0, kv_begin);
@@ -824,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   init_teams_ring(sm, landed);
   if (warp == 0)
     for (int t = 0; t < kKvBufs && kv_begin + t * kBlockN < kv_end; ++t)
-      copy_kv_tile(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+      copy_kv_tile<true>(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
 
   // This thread's two rows: lo = 16g + gid, hi = lo + 8.
   const int r_lo = row0 + g * 16 + gid;
@@ -1033,13 +1046,15 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
   return plan;
 }
 
-// The KV pool as a 2-D tensor (num_pages * page_size rows of 576 bf16, 1,152 B apart) read in boxes of 32 rows
-// x 64 dims with the 128-byte swizzle, for the tensor-copy path. False when it cannot be used: pages of fewer
-// than 32 tokens (a tile would span pages), no encoder in the driver, or a pool the encoder refuses (e.g. not
-// 16-byte aligned); the cp.async path then runs.
-static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
-  return p.page_size >= kBlockN &&
-         encode_kv_tensor_map(p.kv_cache, (uint64_t)p.num_pages * p.page_size, kBlockN, map);
+// The KV pool for the tensor-copy path: num_pages * page_size rows of 576 bf16, 1,152 B apart, read with the 128-byte
+// swizzle, as a 3-D tensor copied a whole 32-row tile at a time (`whole_tile`: the teams kernels) or a 2-D one copied in
+// boxes of 32 rows x 64 dims (the lockstep kernels). False when it cannot be used: pages of fewer than 32 tokens (a tile
+// would span pages), no encoder in the driver, or a pool the encoder refuses (e.g. not 16-byte aligned); the cp.async
+// path then runs.
+static bool encode_kv_map(const VerifyAttnParams& p, bool whole_tile, CUtensorMap* map) {
+  const uint64_t rows = (uint64_t)p.num_pages * p.page_size;
+  return p.page_size >= kBlockN && (whole_tile ? encode_kv_tile_tensor_map(p.kv_cache, rows, kBlockN, map)
+                                               : encode_kv_tensor_map(p.kv_cache, rows, kBlockN, map));
 }
 
 // Launches `kernel` on `grid` behind the previous launch in the stream: programmatically (it may start once every
@@ -1076,10 +1091,10 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   if (err != cudaSuccess) return err;
   const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
-  const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
   // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md), else the lockstep ones; the
-  // arch window is the one KDTREE_FLASH_TEAMS gives a body.
-  const bool teams = tensor_copy && major < 12 && smem_optin >= kTeamsSmemBytes;
+  // arch window is the one KDTREE_FLASH_TEAMS gives a body. Each takes its own form of the KV map.
+  const bool teams = sm90 && major < 12 && smem_optin >= kTeamsSmemBytes && encode_kv_map(p, true, &kv_map);
+  const bool tensor_copy = teams || (sm90 && encode_kv_map(p, false, &kv_map));
   const int smem_bytes = teams ? kTeamsSmemBytes : kSmemBytes;
   const auto kernel = teams ? verify_attn_flash_teams_kernel
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
