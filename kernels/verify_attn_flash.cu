@@ -37,9 +37,10 @@
 // * With pages of >= 32 tokens (sm_90+), a full tile is one page-table lookup and TMA tensor copies (the box
 //   layout above is the hardware's 128-byte swizzle) that complete on an mbarrier: no per-thread copy
 //   instructions. The lockstep kernels copy it as 9 boxes from lanes 0-8 (a 2-D map), the teams kernels as one
-//   3-D copy from one lane (v22 in NOTES.md: 10-14 % faster). Smaller pages, and a range's last partial tile, gather each row through the page table
-//   with cp.async (16-byte chunks) into the same layout: its zero-fill past the end is needed there (TMA has
-//   none, and the slots past a range may hold NaN, which times P = 0 is NaN).
+//   3-D copy from one lane (v22 in NOTES.md: 10-14 % faster). Smaller pages, and a range's last partial tile,
+//   gather each row through the page table with cp.async (16-byte chunks) into the same layout: its zero-fill
+//   past the end is needed there (TMA has none, and the slots past a range may hold NaN, which times P = 0 is
+//   NaN). (The teams kernels copy their partial tail tile by TMA too and zero its V elements past the end.)
 // * Narrow row tiles: a request's last row tile of <= 16 rows (with H = 8 every tree of 2^k + 1 nodes leaves 8)
 //   runs in verify_attn_flash_narrow_kernel: its four row groups take the same 16 rows, each on 8 of every
 //   tile's 32 tokens (a quarter of the tensor work per tile), keep four online softmaxes and merge them at the
