@@ -348,10 +348,16 @@ __device__ __forceinline__ void init_landed_barriers(unsigned landed) {
 #endif
 }
 
+// The KV pool row of the tile at `start` (one page holds it: pages hold >= 32 tokens and tiles start at multiples of 32
+// inside the request's range).
+__device__ __forceinline__ int kv_tile_row(const KvSource& src_kv, int start) {
+  return (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+}
+
 // The tensor copies of a full tile at `start` into buffer buf, by the calling warp. kWholeTile (the teams kernels, a
 // 3-D map): lane 0 arms the buffer's landed barrier and copies the tile in one instruction. Else (the lockstep kernels,
-// a 2-D map) lanes 0-8 copy one box each. (Nine per-lane copies, issued one lane after another, by the warp that
-// released the buffer last, cost the teams kernels 10-14 % of their time: NOTES.md v22. The lockstep kernels keep their
+// a 2-D map) lanes 0-8 copy one box each. (Nine per-lane copies, issued one lane after another by the warp that
+// released the buffer last, made the teams kernels 10-14 % slower: NOTES.md v22. The lockstep kernels keep their
 // measured form, SASS-identical to v20.)
 template <bool kWholeTile>
 __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
@@ -361,14 +367,13 @@ __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUten
   if constexpr (kWholeTile) {
     if (lane == 0) {
       mbarrier_arrive_expect_tx(bar, kBufBytes);
-      const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
-      kv_tile_copy(kv_smem + buf * kBufBytes, kv_map, row, bar);
+      kv_tile_copy(kv_smem + buf * kBufBytes, kv_map, kv_tile_row(src_kv, start), bar);
     }
   } else {
     if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
     __syncwarp();
     if (lane < kBoxes) {
-      const int row = (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+      const int row = kv_tile_row(src_kv, start);
       kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
     }
   }

@@ -31,41 +31,42 @@ inline EncodeTiled tensor_map_encoder() {
   return encode;
 }
 
-// Encodes `rows` KV rows at `base` into `map`. False when the driver has no encoder or refuses the tensor
-// (e.g. `base` not 16-byte aligned). The encoder is a driver function, fetched once through the runtime, so
-// that the library links no more than cudart. The map is a plain 128-byte value: pass it as a __grid_constant__
-// kernel parameter or copy it to a __constant__ symbol.
-inline bool encode_kv_tensor_map(const void* base, uint64_t rows, uint32_t box_rows, CUtensorMap* map) {
+// Encodes a bf16 tensor of `rank` dims at `base` into `map`, read in `box` boxes with the 128-byte swizzle. False when
+// the driver has no encoder or refuses the tensor (e.g. `base` not 16-byte aligned). The encoder is a driver function,
+// fetched once through the runtime, so that the library links no more than cudart. The map is a plain 128-byte value:
+// pass it as a __grid_constant__ kernel parameter or copy it to a __constant__ symbol.
+inline bool encode_swizzled_bf16(const void* base, cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                                 const cuuint32_t* box, CUtensorMap* map) {
   const EncodeTiled encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {kKvRowDims, rows};
-  const cuuint64_t strides[1] = {kKvRowDims * 2};
-  const cuuint32_t box[2] = {kKvBoxDims, box_rows}, elem_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return encode != nullptr &&
+         encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// `rows` KV rows at `base` as a 2-D tensor, read in boxes of `box_rows` rows x 64 dims.
+inline bool encode_kv_tensor_map(const void* base, uint64_t rows, uint32_t box_rows, CUtensorMap* map) {
+  const cuuint64_t dims[2] = {kKvRowDims, rows}, strides[1] = {kKvRowDims * 2};
+  const cuuint32_t box[2] = {kKvBoxDims, box_rows};
+  return encode_swizzled_bf16(base, 2, dims, strides, box, map);
 }
 
 // A whole tile in one tensor copy: the same rows as a 3-D tensor (64 dims, `rows` rows 1,152 B apart, 9 boxes 128 B
 // apart) read in boxes of 64 x `box_rows` x 9, which land box-major ([box][row][64 dims]: the 2-D boxes' layout) with
 // the same 128-byte swizzle. One copy instruction per tile instead of nine.
 inline bool encode_kv_tile_tensor_map(const void* base, uint64_t rows, uint32_t box_rows, CUtensorMap* map) {
-  const EncodeTiled encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {kKvBoxDims, rows, kKvRowDims / kKvBoxDims};
-  const cuuint64_t strides[2] = {kKvRowDims * 2, kKvBoxDims * 2};
-  const cuuint32_t box[3] = {kKvBoxDims, box_rows, kKvRowDims / kKvBoxDims}, elem_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint64_t dims[3] = {kKvBoxDims, rows, kKvRowDims / kKvBoxDims}, strides[2] = {kKvRowDims * 2, kKvBoxDims * 2};
+  const cuuint32_t box[3] = {kKvBoxDims, box_rows, kKvRowDims / kKvBoxDims};
+  return encode_swizzled_bf16(base, 3, dims, strides, box, map);
 }
+
 // Device side: the whole tile of KV rows `row`.. (the map's box) into shared memory at `dst`, as one tensor copy whose
 // bytes complete on the mbarrier at `bar` (sm_90+; `dst` on the swizzle's 1,024-byte period).
 __device__ __forceinline__ void kv_tile_copy(unsigned dst, const CUtensorMap* map, int row, unsigned bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2}], [%4];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row), "r"(bar)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2}], [%4];\n" ::
+          "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row), "r"(bar)
       : "memory");
 }
 
