@@ -9,9 +9,10 @@
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
 // * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM. The lockstep kernels (91,136 B of dynamic shared
 //   memory: fits sm_120's 101,376 B limit) run on sm_120 and wherever pages are under 32 tokens: warp w = (row group
-//   g = w%4, half c = w/4), a block barrier per tile. Where a block holds 143 KB (sm_90) the tensor-copy path runs
+//   g = w%4, half c = w/4), a block barrier per tile. Where a block holds 186 KB (sm_90) the tensor-copy path runs
 //   as two teams of warps out of phase (verify_attn_flash_teams_kernel, below): no barrier that all warps meet per
-//   tile, a three-deep KV ring, and the two warps of a scheduler in different teams (v21 in NOTES.md: 2-8 % faster).
+//   tile, a four-deep KV ring, the two warps of a scheduler in different teams (v21 in NOTES.md: 2-8 % faster), and
+//   P.V over a team's 32 rows, a tile behind S (v23: 1.5-3.6 % faster at six target shapes).
 // * S = Q K^T (64 x 32 x 576): warp (g, c) multiplies its 16 rows over half the dims (the 16-dim k-steps
 //   2j + c, j < 18) with Q held in registers (72 per thread, loaded once) and K read by ldmatrix; the two
 //   half-sums meet in shared memory. Splitting by dims rather than tokens keeps Q at 72 registers instead
@@ -26,8 +27,8 @@
 //   up to ~1e-3 on peaked rows: measured, see NOTES.md).
 // * O += P V (64 x 512 x 32): warp (g, c) owns rows 16g.. and the 16-column value blocks 2j + c (j < 16):
 //   128 fp32 accumulators per thread; V fragments via ldmatrix.trans from the same K tile (V = first 512
-//   dims).
-// * KV tiles go into a double buffer (lockstep: tile i+1 loads while tile i computes) or the teams' three-deep ring
+//   dims). (The teams kernel: a warp owns its team's 32 rows in the blocks 4j + q, the same 128 accumulators.)
+// * KV tiles go into a double buffer (lockstep: tile i+1 loads while tile i computes) or the teams' four-deep ring
 //   as 9 boxes of 32 rows x 64 dims (128 B per row), 16-byte chunk c of a box row r stored at chunk c ^ (r & 7): the
 //   fills write whole
 //   128-byte lines (rows padded to 1,168 B for conflict-free ldmatrix cost 2.6 shared-memory wavefronts per
@@ -95,11 +96,17 @@ constexpr int kSmemBytes = (int)sizeof(SharedStorage);
 static_assert(kSmemBytes <= 101376, "flash verify tile exceeds sm_120's shared memory per block");
 
 // The teams kernels (tensor copies where a block may hold this much: sm_90's 232,448 B; not sm_120's 101,376 B):
-// a three-deep KV ring and the pair exchange in two slots, so that no barrier makes all eight warps meet per tile.
-constexpr int kKvBufs = 3;
+// a four-deep KV ring, and the S exchange and P hand-off in two slots, so that no barrier makes all eight warps meet
+// per tile.
+constexpr int kKvBufs = 4;
 struct __align__(1024) TeamsStorage {
-  __nv_bfloat16 kv[kKvBufs][kBoxes][kBlockN][kBoxDims];  // 110,592 B: KV tile ring, boxes, chunks swizzled
+  __nv_bfloat16 kv[kKvBufs][kBoxes][kBlockN][kBoxDims];  // 147,456 B: KV tile ring, boxes, chunks swizzled
   float4 s_part[2][kWarps][4][32];  // 32,768 B: each warp's half-dim partial scores, fragment order, by tile parity
+  uint4 p_frag[2][4][2][32];        // 8,192 B: each row group's P as bf16 A fragments [tile parity][group][k-step][lane]
+  float alpha[2][4][16];            // a row's O rescale on a tile that moved its max [tile parity][group][row]
+  uint32_t moved[2][4];             // whether the tile moved a max of the group's rows [tile parity][group]
+  float row_l[2][4][16];            // the epilogue's row sums, per half c [c][group][row]
+  float row_m[4][16];               // and reference maxes [group][row]
   uint64_t landed[kKvBufs];         // one mbarrier per KV buffer: its tensor copies landed
   uint32_t released[kKvBufs];       // warps done with the buffer, counted up (the eighth copies the next tile in)
 };
@@ -218,9 +225,11 @@ __device__ __forceinline__ void reduce_row_sums(RowSoftmax& st) {
 // vote keeps the branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
 // Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the worst output
 // error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
-template <int NT>
-__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, float (&o)[kVTiles][4],
-                                             uint32_t (&pf)[(NT + 1) / 2][NT > 1 ? 4 : 2]) {
+// The lazy reference max of a 16 x 8NT score tile (log2 units, masked): when some row's tile max exceeds its m by
+// more than kRescaleSlack, m moves for the tile's rows, the sums l are rescaled and so is O, by the caller's
+// rescale(alpha_lo, alpha_hi) (the running O times exp2(m_old - m_new) per row), inside the rare branch.
+template <int NT, typename Rescale>
+__device__ __forceinline__ void raise_reference_max(const float (&s)[NT][4], RowSoftmax& st, Rescale&& rescale) {
   float own_lo = -INFINITY, own_hi = -INFINITY;  // this thread's max of each row
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -239,14 +248,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
     st.m_hi = mn_hi;
     st.l_lo *= alpha_lo;
     st.l_hi *= alpha_hi;
-#pragma unroll
-    for (int nt = 0; nt < kVTiles; ++nt) {
-      o[nt][0] *= alpha_lo;
-      o[nt][1] *= alpha_lo;
-      o[nt][2] *= alpha_hi;
-      o[nt][3] *= alpha_hi;
-    }
+    rescale(alpha_lo, alpha_hi);
   }
+}
+
+// P = exp2(s - m) of a 16 x 8NT score tile as bf16 A fragments, pf[nt / 2][2 (nt % 2)] (row lo) and [2 (nt % 2) + 1]
+// (row hi) holding tokens 8nt + 2tig + {0, 1}: the A layout of m16n8k16 (pf[kk] for tokens 16kk + [0, 16)) and, for
+// NT = 1, of m16n8k8; their unrounded values added to this thread's share of the row sums.
+template <int NT>
+__device__ __forceinline__ void exp_scores(const float (&s)[NT][4], RowSoftmax& st,
+                                           uint32_t (&pf)[(NT + 1) / 2][NT > 1 ? 4 : 2]) {
   // A row with nothing attended so far keeps m = -inf: use 0 as the offset so exp2 gives 0, not NaN.
   const float base_lo = st.m_lo == -INFINITY ? 0.f : st.m_lo, base_hi = st.m_hi == -INFINITY ? 0.f : st.m_hi;
 #pragma unroll
@@ -260,6 +271,32 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
     pf[nt / 2][(nt % 2) * 2 + 0] = *reinterpret_cast<const uint32_t*>(&lo);
     pf[nt / 2][(nt % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&hi);
   }
+}
+
+// One tile of the online softmax on a 16 x 8NT score tile (log2 units, masked): updates the row state, rescales O
+// when the reference max moves, and returns P as bf16 A fragments (exp_scores).
+// Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so P = exp2(s -
+// m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies per thread, runs on the
+// few tiles that raise a max (on random scores about once per CTA; rescaling on every rise of the max was ~half
+// the tiles and measured slower with the vote). Whether a row's max rose that far is known from each thread's own
+// scores (some thread of the row's quad holds the row max), so the warp votes on those and only the rare tile that
+// moves a max pays the quad reductions: the common tile has no shuffle between its scores and its exponentials. The
+// vote keeps the branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
+// Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the worst output
+// error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
+template <int NT>
+__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, float (&o)[kVTiles][4],
+                                             uint32_t (&pf)[(NT + 1) / 2][NT > 1 ? 4 : 2]) {
+  raise_reference_max(s, st, [&](float alpha_lo, float alpha_hi) {
+#pragma unroll
+    for (int nt = 0; nt < kVTiles; ++nt) {
+      o[nt][0] *= alpha_lo;
+      o[nt][1] *= alpha_lo;
+      o[nt][2] *= alpha_hi;
+      o[nt][3] *= alpha_hi;
+    }
+  });
+  exp_scores(s, st, pf);
 }
 
 // Epilogue of a 16-row group's half c: normalise and write bf16 out + lse, or this split's fp32 partial + lse.
@@ -424,7 +461,7 @@ __device__ __forceinline__ void wait_kv_tile(unsigned landed, int kv_end, int it
 
 // ---- The teams' ring (TeamsStorage): tensor copies only, no block barrier per tile.
 // Every buffer has a landed mbarrier (one arrival, the expect-tx, per fill) and a count of the warps done with it;
-// the eighth warp done with a buffer copies the tile three ahead into it.
+// the eighth warp done with a buffer copies the tile kKvBufs ahead into it.
 __device__ __forceinline__ void init_teams_ring(TeamsStorage& sm, unsigned landed) {
 #if KDTREE_FLASH_TEAMS
   if (threadIdx.x == 0) {
@@ -438,7 +475,7 @@ __device__ __forceinline__ void init_teams_ring(TeamsStorage& sm, unsigned lande
 #endif
 }
 
-// This warp is done with ring buffer buf, which held the tile at `start`; the range has a tile three ahead. The
+// This warp is done with ring buffer buf, which held the tile at `start`; the range has a tile kKvBufs ahead. The
 // count's acquire-release orders every warp's reads of the buffer before the copy's writes (and the async-proxy
 // fence the generic reads before the tensor copy).
 __device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, const CUtensorMap* kv_map,
@@ -803,15 +840,112 @@ __global__ void __launch_bounds__(kThreads, 1)
   store_rows(p, o, st, q0, H, R, r_lo, c, tig, split, num_splits);
 }
 
-// ---- The tensor-copy kernel (sm_90+, pages of >= 32 tokens): two teams of warps out of phase.
-// Team A = warps 0-3 (row groups 0, 1), team B = warps 4-7 (row groups 2, 3); warp w = (row group g = 2 (w / 4) +
-// (w % 4) / 2, half c = w % 2), pair partner w ^ 1. The two warps that share a scheduler (w and w + 4) are in
-// different teams, so one's exchange and softmax can run under the other's ldmatrix and mma. No block barrier per
-// tile: the KV ring is three buffers deep; each warp waits for its tile's tensor copies itself, and the eighth warp
-// done with a buffer copies the tile three ahead into it (a counter per buffer, acquire-release). The pair exchange
-// alternates between two s_part slots, so a pair meets once per tile. Every tile is a tensor copy, the range's
+// ---- The tensor-copy kernel (sm_90+, pages of >= 32 tokens): two teams of warps out of phase, P.V over a team.
+// Team t = warps 4t..4t+3 holds row groups 2t and 2t + 1 (the tile's rows 32t..32t+31). For S, warp w = (row group g =
+// 2t + (w % 4) / 2, half c = w % 2), pair partner w ^ 1, as in verify_attn_flash_kernel. For P.V, warp w owns the
+// team's 32 rows in value-column quarter q = w % 4 (the 16-column blocks 4j + q): each V fragment feeds both row
+// groups' mma, so every tile's V is read from shared memory twice per CTA where 16-row warps read it four times (v23
+// in NOTES.md). The two warps that share a scheduler (w and w + 4) are in different teams, so one's exchange and
+// softmax can run under the other's ldmatrix and mma. No block barrier per tile: the KV ring is kKvBufs deep; each
+// warp waits for its tile's tensor copy itself, and the eighth warp done with a buffer copies the tile kKvBufs ahead
+// into it (a counter per buffer, acquire-release). One team barrier per tile: a warp publishes its S half-sums before
+// it and reads its partner's after it, and P.V runs a tile behind, on the P both pairs of the team published before it
+// (their P fragments and, for a tile that moved a row's max, the O rescale). Every tile is a tensor copy, the range's
 // partial last one too: its rows past kv_end hold whatever the pool holds there (NaN included), so their scores are
 // masked (as any past kv_end) and their V elements zeroed in the fragments before P.V (0 x NaN is NaN).
+constexpr int kTeamVTiles = KDTREE_V_DIM / 4 / 8;  // 16 n-tiles of 8 value columns per row group in a P.V warp
+
+// O[32 team rows, value-column quarter q] += P[32, 32] . V[32 tokens, 128] for the tile at `start` (in buffer vbase =
+// its base + the lane's V offset), with the P its team published in s_part slot `slot`; first the O rows whose max
+// that tile moved are rescaled. kTail: the range's partial last tile, its V past kv_end zeroed. n-tile nt of row group
+// 2 team + mt is value columns 64 (nt / 2) + 16q + 8 (nt % 2) + [0, 8).
+template <bool kTail>
+__device__ __forceinline__ void team_pv_tile(float (&o)[2][kTeamVTiles][4], const TeamsStorage& sm, unsigned vbase,
+                                             int team, int gid, int tig, int lane, int slot, int start, int kv_end) {
+  const uint2 moved = *reinterpret_cast<const uint2*>(&sm.moved[slot][2 * team]);  // the same for every lane
+  if (moved.x | moved.y) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (!(mt ? moved.y : moved.x)) continue;
+      const float alpha_lo = sm.alpha[slot][2 * team + mt][gid], alpha_hi = sm.alpha[slot][2 * team + mt][gid + 8];
+#pragma unroll
+      for (int nt = 0; nt < kTeamVTiles; ++nt) {
+        o[mt][nt][0] *= alpha_lo;
+        o[mt][nt][1] *= alpha_lo;
+        o[mt][nt][2] *= alpha_hi;
+        o[mt][nt][3] *= alpha_hi;
+      }
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint4 v = sm.p_frag[slot][2 * team + mt][kk][lane];
+      pa[mt][0] = v.x, pa[mt][1] = v.y, pa[mt][2] = v.z, pa[mt][3] = v.w;
+    }
+    // A V fragment register holds tokens 16kk + 8h + 2tig + {0, 1} (h = 0 for bf[0], bf[2], 1 for bf[1], bf[3]).
+    uint32_t keep0 = ~0u, keep1 = ~0u;
+    if (kTail) {
+      const int t0 = start + 16 * kk + 2 * tig;
+      keep0 = (t0 < kv_end ? 0xffffu : 0u) | (t0 + 1 < kv_end ? 0xffff0000u : 0u);
+      keep1 = (t0 + 8 < kv_end ? 0xffffu : 0u) | (t0 + 9 < kv_end ? 0xffff0000u : 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < kBoxes - 1; ++j) {  // the 8 boxes of V's 512 dims
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, vbase + kk * 16 * 128 + j * kBoxBytes);
+      if (kTail) bf[0] &= keep0, bf[1] &= keep1, bf[2] &= keep0, bf[3] &= keep1;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma_bf16(o[mt][2 * j], pa[mt], bf[0], bf[1]);
+        mma_bf16(o[mt][2 * j + 1], pa[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+#if KDTREE_FLASH_TEAMS  // (no teams kernel body on sm_120: unused there)
+// Epilogue of a P.V warp: its team's 32 rows in value-column quarter q, each row's (m, l) from shared memory (l as
+// the sum of the pair's two halves, in order); bf16 out + lse, or this split's fp32 partial + lse.
+__device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const float (&o)[2][kTeamVTiles][4],
+                                                const TeamsStorage& sm, int q0, int H, int R, int row0, int team,
+                                                int gid, int q, int tig, int split, int num_splits) {
+  const size_t rows_total = (size_t)p.total_q * H;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int group = 2 * team + mt, gr = gid + half * 8;
+      const int r = row0 + 16 * group + gr;
+      if (r >= R) continue;
+      const float l = sm.row_l[0][group][gr] + sm.row_l[1][group][gr];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (sm.row_m[group][gr] + log2f(l)) * kLn2 : -INFINITY;
+      const size_t grow = (size_t)q0 * H + r;
+      if (num_splits == 1) {
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + q * 16 + tig * 2;
+#pragma unroll
+        for (int nt = 0; nt < kTeamVTiles; ++nt)
+          *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 64 + (nt % 2) * 8) =
+              __floats2bfloat162_rn(o[mt][nt][half * 2] * inv, o[mt][nt][half * 2 + 1] * inv);
+        if (q == 0 && tig == 0) p.lse[grow] = lse;
+      } else {
+        float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
+                      q * 16 + tig * 2;
+#pragma unroll
+        for (int nt = 0; nt < kTeamVTiles; ++nt)
+          *reinterpret_cast<float2*>(ws_o + (nt / 2) * 64 + (nt % 2) * 8) =
+              make_float2(o[mt][nt][half * 2] * inv, o[mt][nt][half * 2 + 1] * inv);
+        float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+        if (q == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
+      }
+    }
+  }
+}
+#endif
+
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_teams_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
                                    const __grid_constant__ CUtensorMap kv_map) {
@@ -834,8 +968,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kv_end = min(kv_len, kv_begin + chunk);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = 2 * (warp / 4) + (warp % 4) / 2, c = warp % 2;  // row group, dim/column half
-  const int gid = lane / 4, tig = lane % 4;                      // mma fragment coordinates
+  const int team = warp / 4, q = warp % 4;       // team, P.V value-column quarter
+  const int g = 2 * team + q / 2, c = warp % 2;  // S row group, dim half
+  const int gid = lane / 4, tig = lane % 4;      // mma fragment coordinates
 
   const KvSource src_kv = kv_source(p, b);
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
@@ -845,41 +980,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < kKvBufs && kv_begin + t * kBlockN < kv_end; ++t)
       copy_kv_tile<true>(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
 
-  // This thread's two rows: lo = 16g + gid, hi = lo + 8.
+  // This thread's two S rows: lo = 16g + gid, hi = lo + 8.
   const int r_lo = row0 + g * 16 + gid;
   uint32_t qf[kKSteps][4];
   load_q_fragments(qf, p, q0, H, R, r_lo, c, tig);
 
-  float o[kVTiles][4];
+  float o[2][kTeamVTiles][4];
 #pragma unroll
-  for (int nt = 0; nt < kVTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  RowSoftmax st;
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kTeamVTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+  RowSoftmax st;  // row group g's rows; l over this warp's k-step c of every tile
   const float scale_log2 = p.scale * kLog2e;
-  // Per-lane byte offsets of the ldmatrix rows inside a KV box: as in verify_attn_flash_kernel.
+  // The P.V lane offset inside a KV box: ldmatrix.trans matrix mi reads token row 8 (mi % 2) + lane % 8 and the chunk
+  // 2q + mi / 2 (value columns 16q + 8 (mi / 2)), swizzled.
   const int mi = lane / 8;
-  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * 128 + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
+  const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * 128 + (((2 * q + mi / 2) ^ (lane % 8)) << 4);
 
-  // Tile it's place in the ring and the pair's barrier, one register: ring = it % 6 + 8 (1 + g). The tile's buffer is
-  // it % 3, the phase of that buffer's barriers (it / 3) & 1, its s_part slot it & 1. (1 + g in a register of its own
-  // was the value ptxas spilled.)
-  int ring = 8 * (1 + g);
-  for (int start = kv_begin; start < kv_end; start += kBlockN) {
+  // Tile it's place in the ring and the team's barrier, one register: ring = it % (2 kKvBufs) + 8 (1 + team). The
+  // tile's buffer is it % kKvBufs, the phase of that buffer's barrier (it / kKvBufs) & 1, its s_part and P slot it & 1.
+  int ring = 8 * (1 + team);
+  int start = kv_begin;
+  for (; start < kv_end; start += kBlockN) {
     const int ring_it = ring & 7;
     const int buf = ring_it >= kKvBufs ? ring_it - kKvBufs : ring_it;
+    const int slot = ring_it & 1;
     mbarrier_wait_parity(landed + buf * 8, ring_it >= kKvBufs);
 
-    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, then the pair exchange (as in
-    // verify_attn_flash_kernel), through s_part slot it & 1. The S and P.V loops are written out in both kernels:
-    // the same loops as shared inline functions changed ptxas's schedule of the lockstep kernels (1,160 of its sm_90
-    // SASS lines), whose measured form v20 is kept.
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T, then the pair exchange, through s_part slot it & 1,
+    // behind the team's barrier.
     float sacc[4][4] = {};
     {
-      // The K lane offset is ((mi / 2) 8 + lane % 8) 128 + ((2c + mi % 2) ^ (lane % 8)) 16: the V one for matrices
-      // mi = 0, 3 and the V one with bits 4 and 10 flipped for mi = 1, 2. Derived here from a fresh read of the lane
-      // index: in a register of its own across the loop it was the value ptxas spilled.
-      unsigned lane_now;
-      asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane_now));
-      const unsigned k_lane_off = v_lane_off ^ ((((lane_now >> 3) ^ (lane_now >> 4)) & 1) * 1040);
+      // The K lane offset: ldmatrix matrix mi reads token row 8 (mi / 2) + lane % 8 and chunk 2c + mi % 2 of a box
+      // (k-step 2j + c; k-step 2j + 1's chunk is 4 further). From a fresh read of the thread index: in registers of
+      // their own across the loop, c and the lane are what ptxas spills.
+      unsigned t_now;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t_now));
+      const unsigned ln = t_now & 31, cc = (t_now >> 5) & 1;
+      const unsigned k_lane_off = (((ln >> 4) & 1) * 8 + (ln & 7)) * 128 + (((2 * cc + ((ln >> 3) & 1)) ^ (ln & 7)) << 4);
       const unsigned kbuf = kv_smem + buf * kBufBytes;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
@@ -895,65 +1033,70 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
-      sm.s_part[ring_it & 1][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
-    asm volatile("bar.sync %0, 64;\n" ::"r"(ring >> 3) : "memory");
+      sm.s_part[slot][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(ring >> 3) : "memory");
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const float4 v = sm.s_part[ring_it & 1][warp ^ 1][nt][lane];
+      const float4 v = sm.s_part[slot][warp ^ 1][nt][lane];
       sacc[nt][0] = (sacc[nt][0] + v.x) * scale_log2;
       sacc[nt][1] = (sacc[nt][1] + v.y) * scale_log2;
       sacc[nt][2] = (sacc[nt][2] + v.z) * scale_log2;
       sacc[nt][3] = (sacc[nt][3] + v.w) * scale_log2;
     }
 
-    // ---- mask (only tiles that reach the tree or the range end), then the online softmax
-    const bool tail = start + kBlockN > kv_end;
-    if (start + kBlockN > L || tail) mask_scores(sacc, p, start, L, kv_end, q0, H, R, r_lo, tig);
-    uint32_t pf[2][4];  // P as the A operand of P.V: two k-steps of 16 tokens
-    softmax_tile(sacc, st, o, pf);
+    // ---- mask (only tiles that reach the tree or the range end), then the online softmax. Both warps of a pair hold
+    // the same scores, so they move the max alike; each exponentiates its own k-step c (16 tokens) and publishes it.
+    if (start + kBlockN > L || start + kBlockN > kv_end) mask_scores(sacc, p, start, L, kv_end, q0, H, R, r_lo, tig);
+    bool moved = false;
+    raise_reference_max(sacc, st, [&](float alpha_lo, float alpha_hi) {
+      moved = true;
+      if (c == 0 && tig == 0) {
+        sm.alpha[slot][g][gid] = alpha_lo;
+        sm.alpha[slot][g][gid + 8] = alpha_hi;
+      }
+    });
+    float own[2][4];  // n-tiles 2c, 2c + 1: k-step c
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) own[x][e] = c ? sacc[2 + x][e] : sacc[x][e];
+    uint32_t pf[1][4];
+    exp_scores(own, st, pf);
+    sm.p_frag[slot][g][c][lane] = make_uint4(pf[0][0], pf[0][1], pf[0][2], pf[0][3]);
+    if (c == 0 && lane == 0) sm.moved[slot][g] = moved;
 
-    // ---- O[16 rows, 256 columns of half c] += P[16, 32] . V[32, 256]. A V fragment register holds tokens
-    // 16kk + 8h + 2tig + {0, 1} (h = 0 for bf[0], bf[2], 1 for bf[1], bf[3]); on the tail tile those past kv_end
-    // are zeroed.
-    if (!tail) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * 128;
-#pragma unroll
-        for (int np = 0; np < kVTiles / 2; ++np) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vbuf + (np >> 1) * kBoxBytes + (v_lane_off ^ ((np & 1) << 6)));
-          mma_bf16(o[2 * np], pf[kk], bf[0], bf[1]);
-          mma_bf16(o[2 * np + 1], pf[kk], bf[2], bf[3]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const unsigned vbuf = kv_smem + buf * kBufBytes + kk * 16 * 128;
-        const int t0 = start + 16 * kk + 2 * tig;  // + 8h: the tokens of the h = 0 / 1 fragment registers
-        const uint32_t keep0 = (t0 < kv_end ? 0xffffu : 0u) | (t0 + 1 < kv_end ? 0xffff0000u : 0u);
-        const uint32_t keep1 = (t0 + 8 < kv_end ? 0xffffu : 0u) | (t0 + 9 < kv_end ? 0xffff0000u : 0u);
-#pragma unroll
-        for (int np = 0; np < kVTiles / 2; ++np) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vbuf + (np >> 1) * kBoxBytes + (v_lane_off ^ ((np & 1) << 6)));
-          mma_bf16(o[2 * np], pf[kk], bf[0] & keep0, bf[1] & keep1);
-          mma_bf16(o[2 * np + 1], pf[kk], bf[2] & keep0, bf[3] & keep1);
-        }
-      }
+    // ---- P.V of the tile before, whose P the team published before this tile's barrier; then its buffer is free.
+    if (start > kv_begin) {
+      const int prev_it = ring_it == 0 ? 2 * kKvBufs - 1 : ring_it - 1;
+      const int prev_buf = prev_it >= kKvBufs ? prev_it - kKvBufs : prev_it;
+      team_pv_tile<false>(o, sm, kv_smem + prev_buf * kBufBytes + v_lane_off, team, gid, tig, lane, slot ^ 1,
+                          start - kBlockN, kv_end);
+      if (start + (kKvBufs - 1) * kBlockN < kv_end)
+        release_teams_buffer(src_kv, &kv_map, kv_smem, landed, lane, prev_buf, start - kBlockN);
     }
-
-    if (start + kKvBufs * kBlockN < kv_end) release_teams_buffer(src_kv, &kv_map, kv_smem, landed, lane, buf, start);
     ring = ring_it == 2 * kKvBufs - 1 ? ring - (2 * kKvBufs - 1) : ring + 1;
   }
 
+  // ---- the last tile's P.V (the range's partial tail, if it has one), behind the team's barrier, which also
+  // publishes every row's (m, l) for the epilogue.
   reduce_row_sums(st);
-  // The epilogue's row index through an opaque move: ptxas otherwise keeps its 64-bit form, made for the Q loads,
-  // in a register across the tile loop (and spilled it).
-  int r_out;
-  asm volatile("mov.b32 %0, %1;\n" : "=r"(r_out) : "r"(r_lo));
-  store_rows(p, o, st, q0, H, R, r_out, c, tig, split, num_splits);
+  if (tig == 0) {
+    sm.row_l[c][g][gid] = st.l_lo;
+    sm.row_l[c][g][gid + 8] = st.l_hi;
+    if (c == 0) {
+      sm.row_m[g][gid] = st.m_lo;
+      sm.row_m[g][gid + 8] = st.m_hi;
+    }
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(ring >> 3) : "memory");
+  if (kv_begin < kv_end) {
+    const int ring_it = ring & 7;
+    const int prev_it = ring_it == 0 ? 2 * kKvBufs - 1 : ring_it - 1;
+    const int prev_buf = prev_it >= kKvBufs ? prev_it - kKvBufs : prev_it;
+    team_pv_tile<true>(o, sm, kv_smem + prev_buf * kBufBytes + v_lane_off, team, gid, tig, lane, prev_it & 1,
+                       start - kBlockN, kv_end);
+  }
+  store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig, split, num_splits);
 #endif
 }
 
