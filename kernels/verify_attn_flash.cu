@@ -477,24 +477,23 @@ __device__ __forceinline__ void init_teams_ring(TeamsStorage& sm, unsigned lande
 
 // This warp is done with ring buffer buf, which held the tile at `start`; the range has a tile kKvBufs ahead. The
 // count's acquire-release orders every warp's reads of the buffer before the copy's writes (and the async-proxy
-// fence the generic reads before the tensor copy).
+// fence the generic reads before the tensor copy). Lane 0 alone counts, fences and copies: broadcasting the count
+// to the warp first (a shuffle and a warp-wide branch behind the atomic's return) was 1-3 % slower (NOTES.md v24).
 __device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, const CUtensorMap* kv_map,
                                                      unsigned kv_smem, unsigned landed, int lane, int buf, int start) {
 #if KDTREE_FLASH_TEAMS
   constexpr unsigned kReleasedOff = offsetof(TeamsStorage, released) - offsetof(TeamsStorage, landed);
   __syncwarp();
-  unsigned last = 0;
   if (lane == 0) {
     unsigned old;
     asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;\n"
                  : "=r"(old)
                  : "r"(landed + kReleasedOff + buf * 4)
                  : "memory");
-    last = (old % kWarps) == kWarps - 1;
-  }
-  if (__shfl_sync(0xffffffffu, last, 0)) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, lane, buf, start + kKvBufs * kBlockN);
+    if ((old % kWarps) == kWarps - 1) {
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, 0, buf, start + kKvBufs * kBlockN);
+    }
   }
 #endif
 }
