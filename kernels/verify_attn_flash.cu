@@ -855,7 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr int kTeamVTiles = KDTREE_V_DIM / 4 / 8;  // 16 n-tiles of 8 value columns per row group in a P.V warp
 
 // O[32 team rows, value-column quarter q] += P[32, 32] . V[32 tokens, 128] for the tile at `start` (in buffer vbase =
-// its base + the lane's V offset), with the P its team published in s_part slot `slot`; first the O rows whose max
+// its base + the lane's V offset), with the P its team published in P slot `slot`; first the O rows whose max
 // that tile moved are rescaled. kTail: the range's partial last tile, its V past kv_end zeroed. n-tile nt of row group
 // 2 team + mt is value columns 64 (nt / 2) + 16q + 8 (nt % 2) + [0, 8).
 template <bool kTail>
