@@ -299,6 +299,30 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
   exp_scores(s, st, pf);
 }
 
+// One output row of an epilogue: this thread's NT pairs of O values (pair nt at value column col0 + (nt / 2) kStride
+// + 8 (nt % 2), pair(nt, e) its two values), times inv, as bf16 out or as this split's fp32 partial; and the row's
+// lse, where write_lse.
+template <int NT, int kStride, typename Pair>
+__device__ __forceinline__ void store_row(const VerifyAttnParams& p, size_t rows_total, size_t grow, int col0, float inv,
+                                          float lse, bool write_lse, int split, int num_splits, Pair&& pair) {
+  if (num_splits == 1) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + col0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * kStride + (nt % 2) * 8) =
+          __floats2bfloat162_rn(pair(nt, 0) * inv, pair(nt, 1) * inv);
+    if (write_lse) p.lse[grow] = lse;
+  } else {
+    float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM + col0;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<float2*>(ws_o + (nt / 2) * kStride + (nt % 2) * 8) =
+          make_float2(pair(nt, 0) * inv, pair(nt, 1) * inv);
+    float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+    if (write_lse) ws_lse[(size_t)split * rows_total + grow] = lse;
+  }
+}
+
 // Epilogue of a 16-row group's half c: normalise and write bf16 out + lse, or this split's fp32 partial + lse.
 // n-tile nt of O is value columns 32 (nt / 2) + 16c + 8 (nt % 2) + [0, 8).
 __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const float (&o)[kVTiles][4], const RowSoftmax& st,
@@ -312,23 +336,8 @@ __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const floa
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const float lse = l > 0.f ? ((half ? st.m_hi : st.m_lo) + log2f(l)) * kLn2 : -INFINITY;
     const size_t grow = (size_t)q0 * H + r;
-    if (num_splits == 1) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + c * 16 + tig * 2;
-#pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 32 + (nt % 2) * 8) =
-            __floats2bfloat162_rn(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
-      if (c == 0 && tig == 0) p.lse[grow] = lse;
-    } else {
-      float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
-                    c * 16 + tig * 2;
-#pragma unroll
-      for (int nt = 0; nt < kVTiles; ++nt)
-        *reinterpret_cast<float2*>(ws_o + (nt / 2) * 32 + (nt % 2) * 8) =
-            make_float2(o[nt][half * 2] * inv, o[nt][half * 2 + 1] * inv);
-      float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-      if (c == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
-    }
+    store_row<kVTiles, 32>(p, rows_total, grow, c * 16 + tig * 2, inv, lse, c == 0 && tig == 0, split, num_splits,
+                           [&](int nt, int e) { return o[nt][half * 2 + e]; });
   }
 }
 
@@ -923,23 +932,8 @@ __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse = l > 0.f ? (sm.row_m[group][gr] + log2f(l)) * kLn2 : -INFINITY;
       const size_t grow = (size_t)q0 * H + r;
-      if (num_splits == 1) {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + q * 16 + tig * 2;
-#pragma unroll
-        for (int nt = 0; nt < kTeamVTiles; ++nt)
-          *reinterpret_cast<__nv_bfloat162*>(out + (nt / 2) * 64 + (nt % 2) * 8) =
-              __floats2bfloat162_rn(o[mt][nt][half * 2] * inv, o[mt][nt][half * 2 + 1] * inv);
-        if (q == 0 && tig == 0) p.lse[grow] = lse;
-      } else {
-        float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM +
-                      q * 16 + tig * 2;
-#pragma unroll
-        for (int nt = 0; nt < kTeamVTiles; ++nt)
-          *reinterpret_cast<float2*>(ws_o + (nt / 2) * 64 + (nt % 2) * 8) =
-              make_float2(o[mt][nt][half * 2] * inv, o[mt][nt][half * 2 + 1] * inv);
-        float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-        if (q == 0 && tig == 0) ws_lse[(size_t)split * rows_total + grow] = lse;
-      }
+      store_row<kTeamVTiles, 64>(p, rows_total, grow, q * 16 + tig * 2, inv, lse, q == 0 && tig == 0, split, num_splits,
+                                 [&](int nt, int e) { return o[mt][nt][half * 2 + e]; });
     }
   }
 }
