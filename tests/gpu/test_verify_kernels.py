@@ -126,6 +126,29 @@ def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split
     assert torch.equal(again_lse, first_lse)
 
 
+@pytest.mark.parametrize("prefix_lens,nodes", [
+    ((8192,) * 16, 33),                  # the B16 target: 448 full-tile CTAs and 64 narrow ones, four waves on an H200
+    ((8000, 40, 7000, 0, 8100, 500, 3000, 64, 8000, 1, 6000, 2500, 8190, 90, 4000, 7500), 33),
+    # ragged: the split count is planned for the longest request, so the short ones' later splits are empty (an
+    # empty partial) or a single, partial tile
+])
+def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes):
+    """Batches whose CTAs (row tile x split x request) outnumber the SMs several times over, with requests of very
+    different lengths under one split plan. Every row must match float64 and give the same bits on every run."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    spec = config.CaseSpec(name=f"waves-b{len(prefix_lens)}-n{nodes}", prefix_lens=prefix_lens,
+                           tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=64, seed=seed,
+                           model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    out0, lse0 = lib.alloc_outputs(x)
+    assert lib.flash_splits(lib.params(x, out0, lse0)) > 1
+    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
+    again, again_lse = lib.run("flash", x)
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+    assert torch.equal(again_lse, first_lse)
+
+
 def test_limits_t1025_and_h64(lib):
     for spec in [
         config.CaseSpec("t1025", (3000,), config.TreeSpec("random", nodes=1025), 8, 1, 77, "kimi-k2.6",
