@@ -200,3 +200,36 @@ def test_variants_summary_refuses_bad_input(tmp_path):
     other = bench_doc(tmp_path / "o.json", {("other", "flash"): 1.0})
     r = variants_summary(t, t, "x=" + other)
     assert r.returncode == 1 and r.stderr.strip() == "no shape and backend timed in every file"
+
+
+def _cta_timeline(path):
+    return subprocess.run([sys.executable, str(SCRIPT.parent / "cta_timeline.py"), str(path)], capture_output=True,
+                          text=True)
+
+
+def test_cta_timeline_splits_calls_and_times_each_interval(tmp_path):
+    # two CTAs per call, three calls (the first and the last dropped); times in ns
+    lines = []
+    for t in (0, 200_000, 400_000):
+        lines.append(f"TLF 1 0 0 0 {t + 1000} {t + 1500} {t + 4000} {t + 3500} {t + 100_000} {t + 98_000} "
+                     f"{t + 102_000} {t + 101_000} {t + 102_100}")
+        lines.append(f"TLF 2 1 0 0 {t + 1100} {t + 1600} {t + 4200} {t + 3600} {t + 101_000} {t + 99_000} "
+                     f"{t + 103_000} {t + 102_000} {t + 103_100}")
+        lines.append(f"TLN 3 0 0 {t + 1200} {t + 90_000}")
+    path = tmp_path / "bench.txt"
+    path.write_text("bench output\n" + "\n".join(lines) + "\n")
+    r = _cta_timeline(path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("3 calls, 6 full-kernel CTAs, 3 narrow CTAs")
+    out = {line[:45].strip(): line[45:] for line in r.stdout.splitlines()[1:]}
+    assert out["call: first entry -> last full-kernel exit"].split()[1] == "102.10"  # the middle call alone
+    assert out["call: first entry -> last narrow exit"].split()[1] == "89.00"
+    assert out["CTA: entry -> team 0 first tile landed"].split()[1] == "3.05"
+    assert out["CTA: team 1 loop end - team 0 loop end"].split()[1] == "-2.00"
+
+
+def test_cta_timeline_refuses_output_without_the_probe(tmp_path):
+    path = tmp_path / "bench.txt"
+    path.write_text("no probe here\n")
+    r = _cta_timeline(path)
+    assert r.returncode == 1 and "no TLF lines" in r.stderr
