@@ -81,6 +81,19 @@ def test_flash_split_kv_long_prefix_and_determinism(lib):
         assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
 
 
+def _check_flash_twice(lib, spec, split=True):
+    """Generate spec's case, check flash against float64 (taking the split-KV path iff split) and check that a second
+    run gives the same output and lse bits."""
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    out0, lse0 = lib.alloc_outputs(x)
+    assert (lib.flash_splits(lib.params(x, out0, lse0)) > 1) == split
+    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
+    again, again_lse = lib.run("flash", x)
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+    assert torch.equal(again_lse, first_lse)
+
+
 @pytest.mark.parametrize("nodes,heads", [(17, 8), (97, 16), (65, 64)])
 def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
     """136, 1,552 and 4,160 rows, every one split over the KV range: the combine kernel sums each row's splits
@@ -90,14 +103,7 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
     spec = config.CaseSpec(name=f"combine-n{nodes}-h{heads}", prefix_lens=(30000,),
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
-    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
-    out0, lse0 = lib.alloc_outputs(x)
-    assert lib.flash_splits(lib.params(x, out0, lse0)) > 1
-    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
-    again, again_lse = lib.run("flash", x)
-    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
-    assert torch.equal(again_lse, first_lse)
+    _check_flash_twice(lib, spec)
 
 
 @pytest.mark.parametrize("prefix_lens,nodes,heads,page_size,split", [
@@ -116,14 +122,7 @@ def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split
     spec = config.CaseSpec(name=f"narrow-n{nodes}-h{heads}-p{page_size}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=page_size, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
-    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
-    out0, lse0 = lib.alloc_outputs(x)
-    assert (lib.flash_splits(lib.params(x, out0, lse0)) > 1) == split
-    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
-    again, again_lse = lib.run("flash", x)
-    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
-    assert torch.equal(again_lse, first_lse)
+    _check_flash_twice(lib, spec, split)
 
 
 @pytest.mark.parametrize("prefix_lens,nodes", [
@@ -139,14 +138,7 @@ def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes):
     spec = config.CaseSpec(name=f"waves-b{len(prefix_lens)}-n{nodes}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
-    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
-    out0, lse0 = lib.alloc_outputs(x)
-    assert lib.flash_splits(lib.params(x, out0, lse0)) > 1
-    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
-    again, again_lse = lib.run("flash", x)
-    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
-    assert torch.equal(again_lse, first_lse)
+    _check_flash_twice(lib, spec)
 
 
 def test_limits_t1025_and_h64(lib):
