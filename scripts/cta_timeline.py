@@ -1,21 +1,29 @@
-"""Summarise the per-CTA event times that variants/flash-v24-probe-timeline.patch prints from the flash kernels.
+"""Where a flash call's time goes, CTA by CTA: the records of variants/flash-v24-probe-timeline.patch, summarised.
 
-usage: python3 scripts/cta_timeline.py BENCH_STDOUT
+usage: python3 scripts/cta_timeline.py --library LIB --shape B=16,L=8192,N=32,H=8 [--calls 30] [--save FILE.npy]
+       python3 scripts/cta_timeline.py --records FILE.npy
 
-With the probe applied, every CTA of the teams kernel prints one line
-  TLF smid m_tile split b  entry ring_ready team0_first_landed team1_first_landed
-      team0_loop_end team1_loop_end team0_stored team1_stored exit      (%globaltimer, ns)
-and every narrow-kernel CTA one line
-  TLN smid x b  entry exit
-(run e.g. `kdev bench --library <probe library> --shape B=1,L=32768,N=64,H=8 --backend flash > out.txt`). Calls run one
-after another, so a CTA that enters after every CTA seen so far has exited starts a new call; the first and last call
-are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval. The printf itself runs after the
-last timestamp, so it lengthens the gaps between a CTA's exit and the next one's entry on the same SM (not usable),
-but none of the intervals inside a CTA.
+With the probe applied (build it with `kdev build --kernels <patched kernels tree>`), every CTA of the teams kernel and
+of the narrow kernel writes one record of %globaltimer stamps to a device buffer, which the library's
+kdtree_cta_probe_read copies out: the teams kernel's entry, ring ready, each team's first landed tile, loop end and
+stores issued, and its exit; the narrow kernel's entry and exit. The first form runs `--calls` flash calls back to back at
+one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
+Every CTA runs once per call and the calls one after another, so a CTA (kernel and blockIdx) seen again starts a new
+call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap between
+one CTA's exit and the next one's entry on the same SM.
+Exit codes: 0 summary printed, 1 no records (was the probe applied?), 2 bad arguments or records, 3 no library or GPU.
 """
+import argparse
 import collections
 import statistics
 import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kdev package of this tree
+
+RECORD_WORDS = 11  # kind | smid << 8, blockIdx, 9 stamps
 
 
 def _stats(values: list[int]) -> str:
@@ -24,39 +32,38 @@ def _stats(values: list[int]) -> str:
             f"p90 {v[9 * len(v) // 10] / 1000:8.2f}  n={len(v)}")
 
 
-def main(path: str) -> int:
-    full, narrow = [], []
-    with open(path) as f:
-        for line in f:
-            w = line.split()
-            if w and w[0] == "TLF" and len(w) == 14:
-                full.append(tuple(int(x) for x in w[1:]))
-            elif w and w[0] == "TLN" and len(w) == 6:
-                narrow.append(tuple(int(x) for x in w[1:]))
-    if not full:
-        print(f"{path}: no TLF lines (was the probe patch applied?)", file=sys.stderr)
-        return 1
-    full.sort(key=lambda r: r[4])
-    calls, cur, last_exit = [], [], 0
-    for r in full:
-        if cur and r[4] > last_exit:
+def summarise(records: np.ndarray) -> list[str]:
+    """The summary lines of an [n, 11] uint64 record array."""
+    rows = []
+    for r in records.astype(np.int64).tolist():
+        kind, sm = r[0] & 0xFF, r[0] >> 8
+        stamps = r[2:] if kind == 0 else r[2:4]
+        rows.append((kind, sm, stamps[0], stamps[-1] if kind == 1 else stamps[8], stamps, r[1]))
+    rows.sort(key=lambda x: x[2])
+    # every CTA runs once per call and the calls one after another: a CTA (kernel, blockIdx) seen again starts a call
+    calls, cur, seen = [], [], set()
+    for row in rows:
+        key = (row[0], row[5])
+        if key in seen:
             calls.append(cur)
-            cur, last_exit = [], 0
-        cur.append(r)
-        last_exit = max(last_exit, r[12])
+            cur, seen = [], set()
+        cur.append(row)
+        seen.add(key)
     calls.append(cur)
-    print(f"{len(calls)} calls, {len(full)} full-kernel CTAs, {len(narrow)} narrow CTAs")
+    n_full = sum(1 for r in rows if r[0] == 0)
+    out = [f"{len(calls)} calls, {n_full} teams-kernel CTAs, {len(rows) - n_full} narrow CTAs"]
     per = collections.defaultdict(list)
     for call in calls[1:-1]:
-        t0 = min(r[4] for r in call)
-        end = max(r[12] for r in call)
-        per["call: first entry -> last full-kernel exit"].append(end - t0)
-        ends = sorted(r[12] - t0 for r in call)
-        per["call: CTA exits p10 -> p90"].append(ends[9 * len(ends) // 10] - ends[len(ends) // 10])
-        nr = [r for r in narrow if t0 <= r[3] <= end]
-        if nr:
-            per["call: first entry -> last narrow exit"].append(max(r[4] for r in nr) - t0)
-        for (_sm, _m, _s, _b, entry, ready, land0, land1, loop0, loop1, st0, st1, exit_) in call:
+        t0 = min(r[2] for r in call)
+        full = [r for r in call if r[0] == 0]
+        narrow = [r for r in call if r[0] == 1]
+        if full:
+            per["call: first entry -> last teams-kernel exit"].append(max(r[3] for r in full) - t0)
+            ends = sorted(r[3] - t0 for r in full)
+            per["call: teams-kernel exits p10 -> p90"].append(ends[9 * len(ends) // 10] - ends[len(ends) // 10])
+        if narrow:
+            per["call: first entry -> last narrow exit"].append(max(r[3] for r in narrow) - t0)
+        for _, _, _, _, (entry, ready, land0, land1, loop0, loop1, st0, st1, exit_), _ in full:
             per["CTA: entry -> ring ready"].append(ready - entry)
             per["CTA: entry -> team 0 first tile landed"].append(land0 - entry)
             per["CTA: entry -> team 1 first tile landed"].append(land1 - entry)
@@ -65,13 +72,76 @@ def main(path: str) -> int:
             per["CTA: team 0 loop end -> stores issued"].append(st0 - loop0)
             per["CTA: team 1 loop end -> stores issued"].append(st1 - loop1)
             per["CTA: entry -> exit"].append(exit_ - entry)
-    for name, values in per.items():
-        print(f"{name:45s} {_stats(values)}")
+        by_sm = collections.defaultdict(list)
+        for r in call:
+            by_sm[r[1]].append(r)
+        for seq in by_sm.values():
+            seq.sort(key=lambda r: r[2])
+            for a, b in zip(seq, seq[1:]):
+                per["SM: one CTA's exit -> the next one's entry"].append(b[2] - a[3])
+    out += [f"{name:45s} {_stats(values)}" for name, values in per.items()]
+    return out
+
+
+def _read_on_gpu(library: str, shape: str, calls: int) -> np.ndarray:
+    import ctypes
+
+    import torch
+
+    from kdev import abi, bench
+    from kdev.errors import EnvironmentMissing
+
+    if not torch.cuda.is_available():
+        raise EnvironmentMissing("no CUDA GPU visible to torch")
+    lib = abi.Library(library)
+    read = getattr(lib.lib, "kdtree_cta_probe_read", None)
+    if read is None:
+        raise EnvironmentMissing(f"{library}: no kdtree_cta_probe_read (build the library from the probe patch)")
+    read.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    (s,) = bench.expand(bench.load_bench(), None, [shape], None)
+    x, _, _ = bench.make_inputs(s, 0, torch.device("cuda"))
+    runner = bench.AbiRunner(lib, "flash", x)
+    buf = np.zeros((1 << 16, RECORD_WORDS), dtype=np.uint64)
+    n = ctypes.c_int(0)
+    read(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), buf.shape[0], ctypes.byref(n))  # drop earlier records
+    for _ in range(calls):
+        runner.run()
+    if read(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), buf.shape[0], ctypes.byref(n)) != 0:
+        raise EnvironmentMissing("kdtree_cta_probe_read failed (a CUDA error)")
+    if n.value > buf.shape[0]:
+        print(f"{n.value - buf.shape[0]} records dropped (buffer full): use fewer --calls", file=sys.stderr)
+    return buf[:min(n.value, buf.shape[0])]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--library")
+    ap.add_argument("--shape")
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--save")
+    ap.add_argument("--records")
+    a = ap.parse_args(argv)
+    if bool(a.records) == bool(a.library and a.shape) or a.calls < 3:
+        print("give --records FILE, or --library and --shape (and --calls >= 3)", file=sys.stderr)
+        return 2
+    from kdev.errors import KdevError
+
+    try:
+        records = np.load(a.records) if a.records else _read_on_gpu(a.library, a.shape, a.calls)
+    except KdevError as e:  # no library, no GPU, a bad shape: kdev's one line and exit code
+        print(e, file=sys.stderr)
+        return e.exit_code
+    except (OSError, ValueError) as e:
+        print(f"{a.records or a.library}: {e}", file=sys.stderr)
+        return 2
+    if a.save:
+        np.save(a.save, records)
+    if records.ndim != 2 or records.shape[1] != RECORD_WORDS or len(records) == 0:
+        print("no probe records (was the probe patch applied?)", file=sys.stderr)
+        return 1
+    print("\n".join(summarise(records)))
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
-        sys.exit(2)
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -202,34 +202,46 @@ def test_variants_summary_refuses_bad_input(tmp_path):
     assert r.returncode == 1 and r.stderr.strip() == "no shape and backend timed in every file"
 
 
-def _cta_timeline(path):
-    return subprocess.run([sys.executable, str(SCRIPT.parent / "cta_timeline.py"), str(path)], capture_output=True,
+def _cta_timeline(*args):
+    return subprocess.run([sys.executable, str(SCRIPT.parent / "cta_timeline.py"), *map(str, args)], capture_output=True,
                           text=True)
 
 
 def test_cta_timeline_splits_calls_and_times_each_interval(tmp_path):
-    # two CTAs per call, three calls (the first and the last dropped); times in ns
-    lines = []
-    for t in (0, 200_000, 400_000):
-        lines.append(f"TLF 1 0 0 0 {t + 1000} {t + 1500} {t + 4000} {t + 3500} {t + 100_000} {t + 98_000} "
-                     f"{t + 102_000} {t + 101_000} {t + 102_100}")
-        lines.append(f"TLF 2 1 0 0 {t + 1100} {t + 1600} {t + 4200} {t + 3600} {t + 101_000} {t + 99_000} "
-                     f"{t + 103_000} {t + 102_000} {t + 103_100}")
-        lines.append(f"TLN 3 0 0 {t + 1200} {t + 90_000}")
-    path = tmp_path / "bench.txt"
-    path.write_text("bench output\n" + "\n".join(lines) + "\n")
-    r = _cta_timeline(path)
+    import numpy as np
+
+    # three calls (the first and the last dropped): on SM 1 two teams-kernel CTAs one after the other, on SM 2 one and
+    # a narrow CTA behind it; times in ns
+    records = []
+    for t in (0, 1_000_000, 2_000_000):
+        for x, (sm, start) in enumerate(((1, 1000), (1, 110_000), (2, 1100))):
+            e = t + start
+            records.append([0 | sm << 8, x, e, e + 500, e + 3000, e + 2500, e + 99_000, e + 97_000, e + 101_000,
+                            e + 100_000, e + 101_100])
+        records.append([1 | 2 << 8, 0, t + 105_000, t + 190_000] + [0] * 7)
+    path = tmp_path / "records.npy"
+    np.save(path, np.array(records, dtype=np.uint64))
+    r = _cta_timeline("--records", path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("3 calls, 6 full-kernel CTAs, 3 narrow CTAs")
-    out = {line[:45].strip(): line[45:] for line in r.stdout.splitlines()[1:]}
-    assert out["call: first entry -> last full-kernel exit"].split()[1] == "102.10"  # the middle call alone
-    assert out["call: first entry -> last narrow exit"].split()[1] == "89.00"
-    assert out["CTA: entry -> team 0 first tile landed"].split()[1] == "3.05"
-    assert out["CTA: team 1 loop end - team 0 loop end"].split()[1] == "-2.00"
+    lines = r.stdout.splitlines()
+    assert lines[0] == "3 calls, 9 teams-kernel CTAs, 3 narrow CTAs"
+    out = {line[:45].strip(): line[45:].split() for line in lines[1:]}
+    assert out["call: first entry -> last teams-kernel exit"][1] == "210.10"  # 110,000 + 101,100 - 1,000
+    assert out["call: first entry -> last narrow exit"][1] == "189.00"
+    assert out["CTA: entry -> team 0 first tile landed"][1] == "3.00"
+    assert out["CTA: team 1 loop end - team 0 loop end"][1] == "-2.00"
+    gaps = out["SM: one CTA's exit -> the next one's entry"]
+    assert gaps[1] == "5.35" and gaps[-1] == "n=2"  # SM 1: 110,000 - 102,100 = 7.9 us; SM 2: 105,000 - 102,200
 
 
-def test_cta_timeline_refuses_output_without_the_probe(tmp_path):
-    path = tmp_path / "bench.txt"
-    path.write_text("no probe here\n")
-    r = _cta_timeline(path)
-    assert r.returncode == 1 and "no TLF lines" in r.stderr
+def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
+    import numpy as np
+
+    r = _cta_timeline()
+    assert r.returncode == 2 and "give --records" in r.stderr
+    r = _cta_timeline("--records", tmp_path / "missing.npy")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    path = tmp_path / "empty.npy"
+    np.save(path, np.zeros((0, 11), dtype=np.uint64))
+    r = _cta_timeline("--records", path)
+    assert r.returncode == 1 and "no probe records" in r.stderr
