@@ -7,7 +7,7 @@
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
 #                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
-#                               [--step-timeout SECONDS]
+#                               [--timeline SHAPE]... [--step-timeout SECONDS]
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -45,6 +45,10 @@
 # --variant-patch variants/NAME.patch: a variant made from the working tree's kernels/ with that patch applied
 # (scripts/variant-tree.sh), named NAME and timed with the --variants trees; the patches travel with the working tree,
 # so nothing needs to be carried. A patch that does not apply to the tree is refused before anything runs.
+# --timeline B=16,L=8192,N=32,H=8 (repeatable): the working tree's kernels/ with variants/flash-v24-probe-timeline.patch
+# (every flash CTA records its %globaltimer stamps) built into a library of its own, and scripts/cta_timeline.py on it at
+# that shape: each CTA's ramp, tile loop and drain, and the gap between CTAs on an SM, into timeline-SHAPE.txt. A probe
+# patch that no longer applies to the tree is refused before anything runs.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
 set -uo pipefail
@@ -54,11 +58,11 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
-VARIANTS=() PATCHES=()
+VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
-    --variants|--variant-patch|--step-timeout)
+    --variants|--variant-patch|--timeline|--step-timeout)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -79,6 +83,7 @@ while [ $# -gt 0 ]; do
     --ab) AB_KERNELS="$2"; shift 2 ;;
     --variants) IFS=, read -ra more <<< "$2"; VARIANTS+=("${more[@]}"); shift 2 ;;
     --variant-patch) IFS=, read -ra more <<< "$2"; PATCHES+=("${more[@]}"); shift 2 ;;
+    --timeline) TIMELINES+=("$2"); shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -91,6 +96,9 @@ if [ ${#PATCHES[@]} -gt 0 ]; then
     tree="$(bash scripts/variant-tree.sh "$f" "$patch_dir")" || exit 2
     VARIANTS+=("$tree")
   done
+fi
+if [ ${#TIMELINES[@]} -gt 0 ]; then
+  TIMELINE_TREE="$(bash scripts/variant-tree.sh variants/flash-v24-probe-timeline.patch "$(mktemp -d)")" || exit 2
 fi
 declare -A VARIANT_DIR
 for dir in "${VARIANTS[@]}"; do
@@ -210,6 +218,14 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --page raw --csv > "$OUT/$name-raw.csv" 2>&1
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
+if [ -n "$TIMELINE_TREE" ]; then
+  build_kernels timeline-build "$TIMELINE_TREE" "$(mktemp -d)/timeline-build.json"
+  for shape in "${TIMELINES[@]}"; do
+    name="timeline-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
+    step "$name" bash -c 'set -o pipefail; python3 scripts/cta_timeline.py --library "$1" --shape "$2" | tee "$3"' \
+      _ "$BUILT_LIB" "$shape" "$OUT/$name.txt"
+  done
+fi
 if [ -n "$KERNEL_TIMES" ]; then
   kernel_times kernel-times
   [ -z "$AB_LIB" ] || kernel_times kernel-times-base --library "$AB_LIB"

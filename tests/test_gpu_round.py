@@ -32,7 +32,7 @@ def test_unknown_option_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab", "--variants",
-                                    "--variant-patch"])
+                                    "--variant-patch", "--timeline"])
 def test_an_option_without_its_value_is_refused(tmp_path, option):
     r = run(tmp_path, option)
     assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
