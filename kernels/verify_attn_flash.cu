@@ -212,19 +212,6 @@ __device__ __forceinline__ void reduce_row_sums(RowSoftmax& st) {
   }
 }
 
-// One tile of the online softmax on a 16 x 8NT score tile (log2 units, masked): updates the row state, rescales O
-// when the reference max moves, and returns P as bf16 A fragments, pf[nt / 2][2 (nt % 2)] (row lo) and
-// [2 (nt % 2) + 1] (row hi) holding tokens 8nt + 2tig + {0, 1}: the A layout of m16n8k16 (pf[kk] for tokens
-// 16kk + [0, 16)) and, for NT = 1, of m16n8k8.
-// Lazy reference max: m moves only when a row's tile max exceeds it by more than kRescaleSlack, so P = exp2(s -
-// m) <= 2^8 (as precise in bf16, exact in the fp32 sums) and the O rescale, 128 multiplies per thread, runs on the
-// few tiles that raise a max (on random scores about once per CTA; rescaling on every rise of the max was ~half
-// the tiles and measured slower with the vote). Whether a row's max rose that far is known from each thread's own
-// scores (some thread of the row's quad holds the row max), so the warp votes on those and only the rare tile that
-// moves a max pays the quad reductions: the common tile has no shuffle between its scores and its exponentials. The
-// vote keeps the branch warp-uniform; both warps of a row group hold the same scores, so they decide alike.
-// Cost: a peaked row's dominant P is no longer exactly 1.0 before bf16 rounding, which raised the worst output
-// error over --fuzz 1000 from 1.1e-2 to 1.8e-2 (inside the verify tolerance; NOTES.md).
 // The lazy reference max of a 16 x 8NT score tile (log2 units, masked): when some row's tile max exceeds its m by
 // more than kRescaleSlack, m moves for the tile's rows, the sums l are rescaled and so is O, by the caller's
 // rescale(alpha_lo, alpha_hi) (the running O times exp2(m_old - m_new) per row), inside the rare branch.
