@@ -21,7 +21,11 @@ from kdev.config import LATENT_DIM, QK_DIM
 from kdev.errors import EnvironmentMissing
 
 STATUS = {0: "ok", 1: "invalid argument", 2: "CUDA error", 3: "workspace missing or too small"}
-VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash"}
+# flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows
+# (on an H200 the flash call takes the larger teams kernels): how the sm_120 code path is checked and timed here.
+VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash",
+                  "flash-portable": "kdtree_verify_attn_flash_portable"}
+FLASH_KERNELS = ("flash", "flash-portable")  # split-KV: a workspace and a split count
 
 
 class VerifyAttnParams(ctypes.Structure):
@@ -152,9 +156,11 @@ class Library:
         L.kdtree_params_size.restype = ctypes.c_size_t
         L.kdtree_abi_version.restype = ctypes.c_int
         P = ctypes.POINTER(VerifyAttnParams)
-        for fn in VERIFY_KERNELS.values():
-            getattr(L, fn).argtypes = [P, ctypes.c_void_p]
-            getattr(L, fn).restype = ctypes.c_int
+        # a library built before an entry point existed still loads (an A/B base); calling it is refused in call()
+        self.kernels = tuple(k for k, fn in VERIFY_KERNELS.items() if hasattr(L, fn))
+        for k in self.kernels:
+            getattr(L, VERIFY_KERNELS[k]).argtypes = [P, ctypes.c_void_p]
+            getattr(L, VERIFY_KERNELS[k]).restype = ctypes.c_int
         L.kdtree_verify_attn_workspace_size.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
         L.kdtree_verify_attn_workspace_size.restype = ctypes.c_int
         L.kdtree_verify_attn_flash_splits.argtypes = [P, ctypes.POINTER(ctypes.c_int)]
@@ -223,6 +229,9 @@ class Library:
         """Launch one verify kernel on `stream` (default: the current torch stream). Asynchronous."""
         if kernel not in VERIFY_KERNELS:
             raise AbiArgumentError(f"unknown verify kernel {kernel!r} (have {', '.join(VERIFY_KERNELS)})")
+        if kernel not in self.kernels:
+            raise AbiArgumentError(f"{self.path.name} has no {kernel} kernel ({VERIFY_KERNELS[kernel]}): built from "
+                                   "older sources")
         fn = VERIFY_KERNELS[kernel]
         s = stream or torch.cuda.current_stream()
         self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
@@ -235,7 +244,7 @@ class Library:
         return out, lse
 
     def alloc_workspace(self, kernel: str, p: VerifyAttnParams, device) -> torch.Tensor | None:
-        if kernel != "flash":
+        if kernel not in FLASH_KERNELS:
             return None
         n = self.workspace_size(p)
         if n == 0:

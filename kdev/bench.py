@@ -35,7 +35,7 @@ from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _R
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
-ATTENTION_BACKENDS = ("flash", "naive", "torch-eager", "torch-sdpa")
+ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "torch-eager", "torch-sdpa")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 # Ceilings measured on this project's H200 (mma.sync bf16 -> fp32; device-to-device copy, read + write).
@@ -268,7 +268,9 @@ class AbiRunner(Runner):
         self.out, self.lse = lib.alloc_outputs(x)
         self.p = lib.params(x, self.out, self.lse)
         self.ws = lib.alloc_workspace(kernel, self.p, x.q.device)
-        self.splits = lib.flash_splits(self.p) if kernel == "flash" else None
+        from kdev.abi import FLASH_KERNELS
+
+        self.splits = lib.flash_splits(self.p) if kernel in FLASH_KERNELS else None
 
     def run(self) -> None:
         self.lib.call(self.kernel, self.p)
@@ -357,7 +359,7 @@ def load_peer(spec: str):
 
 
 def make_runner(name: str, x, lib, peers: dict) -> Runner:
-    if name in ("naive", "flash"):
+    if name in ("naive", "flash", "flash-portable"):
         return AbiRunner(lib, name, x)
     if name == "torch-eager":
         return TorchEagerRunner(x)

@@ -190,7 +190,8 @@ def _write_json_file(path: Optional[Path], doc: dict) -> None:
 def verify_cmd(
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
     kernel: str = typer.Option("naive,flash", "--kernel",
-                               help="Comma-separated kernels: naive, flash (attention); ddtree, accept, compact."),
+                               help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
+                                    "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),

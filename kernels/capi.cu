@@ -156,8 +156,9 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
   return KDTREE_OK;
 }
 
-int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
-  g_last_error[0] = '\0';
+// The flash call; `portable`: only the kernels whose blocks fit 101,376 B of shared memory, the ones an sm_120 GPU
+// runs, whatever this GPU allows (on an sm_90 GPU the tensor-copy path would otherwise take the teams kernels).
+static int verify_attn_flash(const VerifyAttnParams* p, bool portable, cudaStream_t stream) {
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = current_sm_count(&sm_count)) return st;
@@ -172,9 +173,21 @@ int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
     if (!aligned(p->workspace, 16)) return fail(KDTREE_ERR_INVALID, "workspace is not 16-byte aligned");
     if (!is_device_pointer(p->workspace)) return fail(KDTREE_ERR_INVALID, "workspace is not device memory");
   }
-  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, stream);
+  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, portable, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_flash launch");
   return KDTREE_OK;
+}
+
+int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  return verify_attn_flash(p, false, stream);
+}
+
+// The same contract, plan and workspace as kdtree_verify_attn_flash, run by the kernels that fit sm_120's shared
+// memory: how the sm_120 code path is verified and timed on a GPU that would pick others.
+int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  return verify_attn_flash(p, true, stream);
 }
 
 // ------------------------------------------------------------------------------------------ DDTree kernels

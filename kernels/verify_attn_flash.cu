@@ -37,8 +37,10 @@
 //   instead of one per k-step.
 // * With pages of >= 32 tokens (sm_90+), a full tile is one page-table lookup and TMA tensor copies (the box
 //   layout above is the hardware's 128-byte swizzle) that complete on an mbarrier: no per-thread copy
-//   instructions. The lockstep kernels copy it as 9 boxes from lanes 0-8 (a 2-D map), the teams kernels as one
-//   3-D copy from one lane (v22 in NOTES.md: 10-14 % faster). Smaller pages, and a range's last partial tile,
+//   instructions: one 3-D copy from one lane, the 9 boxes of the tile in one instruction (nine box copies from
+//   lanes 0-8 were 10-14 % slower in the teams kernels, v22 in NOTES.md, 7-11 % in the lockstep ones, v25).
+//   kdtree_verify_attn_flash_portable runs the lockstep kernels on any GPU: how the sm_120 path is verified and
+//   timed on an H200. Smaller pages, and a range's last partial tile,
 //   gather each row through the page table with cp.async (16-byte chunks) into the same layout: its zero-fill
 //   past the end is needed there (TMA has none, and the slots past a range may hold NaN, which times P = 0 is
 //   NaN). (The teams kernels copy their partial tail tile by TMA too and zero its V elements past the end.)
@@ -387,28 +389,17 @@ __device__ __forceinline__ int kv_tile_row(const KvSource& src_kv, int start) {
   return (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
 }
 
-// The tensor copies of a full tile at `start` into buffer buf, by the calling warp. kWholeTile (the teams kernels, a
-// 3-D map): lane 0 arms the buffer's landed barrier and copies the tile in one instruction. Else (the lockstep kernels,
-// a 2-D map) lanes 0-8 copy one box each. (Nine per-lane copies, issued one lane after another by the warp that
-// released the buffer last, made the teams kernels 10-14 % slower: NOTES.md v22. The lockstep kernels keep their
-// measured form, SASS-identical to v20.)
-template <bool kWholeTile>
+// The tensor copy of a full tile at `start` into buffer buf: lane 0 of the calling warp arms the buffer's landed
+// barrier and copies the tile in one instruction (a 3-D map, box-major, the 2-D boxes' layout). Every kernel takes
+// this form: nine per-lane box copies, issued one lane after another, made the teams kernels 10-14 % slower (NOTES.md
+// v22) and the lockstep kernels 7-11 % slower (NOTES.md v25): the copying warp is the one the others then wait for.
 __device__ __forceinline__ void copy_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int lane, int buf, int start) {
 #if KDTREE_FLASH_SM90
-  const unsigned bar = landed + buf * 8;
-  if constexpr (kWholeTile) {
-    if (lane == 0) {
-      mbarrier_arrive_expect_tx(bar, kBufBytes);
-      kv_tile_copy(kv_smem + buf * kBufBytes, kv_map, kv_tile_row(src_kv, start), bar);
-    }
-  } else {
-    if (lane == 0) mbarrier_arrive_expect_tx(bar, kBufBytes);
-    __syncwarp();
-    if (lane < kBoxes) {
-      const int row = kv_tile_row(src_kv, start);
-      kv_box_copy(kv_smem + buf * kBufBytes + lane * kBoxBytes, kv_map, lane * kBoxDims, row, bar);
-    }
+  if (lane == 0) {
+    const unsigned bar = landed + buf * 8;
+    mbarrier_arrive_expect_tx(bar, kBufBytes);
+    kv_tile_copy(kv_smem + buf * kBufBytes, kv_map, kv_tile_row(src_kv, start), bar);
   }
 #endif
 }
@@ -422,7 +413,7 @@ template <bool kTensorCopy>
 __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUtensorMap* kv_map, unsigned kv_smem,
                                              unsigned landed, int kv_end, int warp, int lane, int buf, int start) {
   if (kTensorCopy && start + kBlockN <= kv_end) {  // a full tile (a partial one needs cp.async's zero-fill)
-    if (warp == 0) copy_kv_tile<false>(src_kv, kv_map, kv_smem, landed, lane, buf, start);
+    if (warp == 0) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, buf, start);
     return;
   }
 #pragma unroll
@@ -488,7 +479,7 @@ __device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, con
                  : "memory");
     if ((old % kWarps) == kWarps - 1) {
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, 0, buf, start + kKvBufs * kBlockN);
+      copy_kv_tile(src_kv, kv_map, kv_smem, landed, 0, buf, start + kKvBufs * kBlockN);
     }
   }
 #endif
@@ -537,7 +528,7 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& 
   if constexpr (kTeams) {
     init_teams_ring(sm, landed);
     if (warp == 0)
-      for (int t = 0; t < kKvBufs && t < num_tiles; ++t) copy_kv_tile<true>(src_kv, kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+      for (int t = 0; t < kKvBufs && t < num_tiles; ++t) copy_kv_tile(src_kv, kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
   } else {
     init_landed_barriers<kTensorCopy>(landed);
     if (num_tiles > 0) load_tile(0, kv_begin);
@@ -739,7 +730,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int chunk = split_chunk(kv_len, num_splits);
   const int kv_begin = min(kv_len, split * chunk);
   const int kv_end = min(kv_len, kv_begin + chunk);
-  const int num_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = warp % 4, c = warp / 4;    // row group, dim/column half
@@ -752,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto load_tile = [&](int buf, int start) {
     load_kv_tile<kTensorCopy>(src_kv, &kv_map, kv_smem, landed, kv_end, warp, lane, buf, start);
   };
-  if (num_tiles > 0) load_tile(0, kv_begin);
+  if (kv_begin < kv_end) load_tile(0, kv_begin);
 
   // This thread's two rows: lo = 16g + gid, hi = lo + 8.
   const int r_lo = row0 + g * 16 + gid;
@@ -773,12 +763,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned k_lane_off = ((mi / 2) * 8 + lane % 8) * 128 + (((2 * c + mi % 2) ^ (lane % 8)) << 4);
   const unsigned v_lane_off = ((mi % 2) * 8 + lane % 8) * 128 + (((2 * c + mi / 2) ^ (lane % 8)) << 4);
 
-  for (int it = 0; it < num_tiles; ++it) {
+  // The loop runs on `start` alone (the tile index derived from it): with a separate index and count live across
+  // the loop, the one-copy-per-tile form spilled a register on sm_90.
+  for (int start = kv_begin; start < kv_end; start += kBlockN) {
+    const int it = (start - kv_begin) / kBlockN;
     const int buf = it & 1;
-    const int start = kv_begin + it * kBlockN;
     wait_kv_tile<kTensorCopy>(landed, kv_end, it, start);
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
-    if (it + 1 < num_tiles) load_tile(buf ^ 1, start + kBlockN);
+    if (start + kBlockN < kv_end) load_tile(buf ^ 1, start + kBlockN);
 
     // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T in one pass (four independent accumulator
     // chains: measured the same speed as two passes of two, see NOTES.md). The partner warp (same rows,
@@ -802,7 +794,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
       sm.s_part[0][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
-    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory");
+    if constexpr (kTensorCopy) {  // the pair's barrier id 1 + g from a fresh read of the thread index: kept across
+      unsigned t_now;             // the loop, it was spilled on sm_90 (the cp.async form spills with this read instead)
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t_now));
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + ((t_now >> 5) & 3)) : "memory");
+    } else {
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory");
+    }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const float4 v = sm.s_part[0][warp ^ 4][nt][lane];
@@ -958,7 +956,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   init_teams_ring(sm, landed);
   if (warp == 0)
     for (int t = 0; t < kKvBufs && kv_begin + t * kBlockN < kv_end; ++t)
-      copy_kv_tile<true>(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
+      copy_kv_tile(src_kv, &kv_map, kv_smem, landed, lane, t, kv_begin + t * kBlockN);
 
   // This thread's two S rows: lo = 16g + gid, hi = lo + 8.
   const int r_lo = row0 + g * 16 + gid;
@@ -1176,14 +1174,12 @@ FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
 }
 
 // The KV pool for the tensor-copy path: num_pages * page_size rows of 576 bf16, 1,152 B apart, read with the 128-byte
-// swizzle, as a 3-D tensor copied a whole 32-row tile at a time (`whole_tile`: the teams kernels) or a 2-D one copied in
-// boxes of 32 rows x 64 dims (the lockstep kernels). False when it cannot be used: pages of fewer than 32 tokens (a tile
-// would span pages), no encoder in the driver, or a pool the encoder refuses (e.g. not 16-byte aligned); the cp.async
-// path then runs.
-static bool encode_kv_map(const VerifyAttnParams& p, bool whole_tile, CUtensorMap* map) {
+// swizzle, as a 3-D tensor copied a whole 32-row tile at a time. False when it cannot be used: pages of fewer than 32
+// tokens (a tile would span pages), no encoder in the driver, or a pool the encoder refuses (e.g. not 16-byte
+// aligned); the cp.async path then runs.
+static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
   const uint64_t rows = (uint64_t)p.num_pages * p.page_size;
-  return p.page_size >= kBlockN && (whole_tile ? encode_kv_tile_tensor_map(p.kv_cache, rows, kBlockN, map)
-                                               : encode_kv_tensor_map(p.kv_cache, rows, kBlockN, map));
+  return p.page_size >= kBlockN && encode_kv_tile_tensor_map(p.kv_cache, rows, kBlockN, map);
 }
 
 // Launches `kernel` on `grid` behind the previous launch in the stream: programmatically (it may start once every
@@ -1210,7 +1206,8 @@ static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, boo
                        kGroups * kCombineColumnThreads, 0, programmatic, stream, p, num_splits);
 }
 
-cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
+cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
+                                     cudaStream_t stream) {
   int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -1220,10 +1217,10 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   if (err != cudaSuccess) return err;
   const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
-  // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md), else the lockstep ones; the
-  // arch window is the one KDTREE_FLASH_TEAMS gives a body. Each takes its own form of the KV map.
-  const bool teams = sm90 && major < 12 && smem_optin >= kTeamsSmemBytes && encode_kv_map(p, true, &kv_map);
-  const bool tensor_copy = teams || (sm90 && encode_kv_map(p, false, &kv_map));
+  // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md) unless the call is portable,
+  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body.
+  const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
+  const bool teams = tensor_copy && !portable && major < 12 && smem_optin >= kTeamsSmemBytes;
   const int smem_bytes = teams ? kTeamsSmemBytes : kSmemBytes;
   const auto kernel = teams ? verify_attn_flash_teams_kernel
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);

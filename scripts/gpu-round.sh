@@ -149,11 +149,11 @@ if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
-step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
+step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,flash-portable,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
-      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash,ddtree,accept,compact
+      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash,flash-portable,ddtree,accept,compact
   done
 fi
 step ceilings python3 -m kdev bench --ceilings
@@ -204,7 +204,7 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
   done
 fi
 # last: the longest step (a killed round keeps everything above)
-step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
+step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,flash-portable,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
 fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"

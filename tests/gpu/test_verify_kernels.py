@@ -11,7 +11,7 @@ from kdev import abi, config, vectors
 from kdev.compare import compare
 
 pytestmark = pytest.mark.gpu
-KERNELS = ["naive", "flash"]
+KERNELS = ["naive", *abi.FLASH_KERNELS]  # flash-portable: the kernels sm_120 runs, on this GPU
 
 
 def _check(lib, kernel, tensors, scale, tol, label):
@@ -81,21 +81,22 @@ def test_flash_split_kv_long_prefix_and_determinism(lib):
         assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
 
 
-def _check_flash_twice(lib, spec, split=True):
-    """Generate spec's case, check flash against float64 (taking the split-KV path iff split) and check that a second
-    run gives the same output and lse bits."""
+def _check_flash_twice(lib, spec, kernel, split=True):
+    """Generate spec's case, check a flash kernel against float64 (taking the split-KV path iff split) and check that
+    a second run gives the same output and lse bits."""
     case = vectors.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     out0, lse0 = lib.alloc_outputs(x)
     assert (lib.flash_splits(lib.params(x, out0, lse0)) > 1) == split
-    first, first_lse = _check(lib, "flash", case.tensors, case.scale, spec.tolerances, f"flash {spec}")
-    again, again_lse = lib.run("flash", x)
-    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), "flash output bits changed between runs"
+    first, first_lse = _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel} {spec}")
+    again, again_lse = lib.run(kernel, x)
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16)), f"{kernel} output bits changed between runs"
     assert torch.equal(again_lse, first_lse)
 
 
+@pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("nodes,heads", [(17, 8), (97, 16), (65, 64)])
-def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
+def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel):
     """136, 1,552 and 4,160 rows, every one split over the KV range: the combine kernel sums each row's splits
     with 4, 2 or 1 groups of threads depending on how many rows there are to fill the GPU (on an H200 these
     three shapes take one form each). Every form must match float64 and give the same bits on every run."""
@@ -103,9 +104,10 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
     spec = config.CaseSpec(name=f"combine-n{nodes}-h{heads}", prefix_lens=(30000,),
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    _check_flash_twice(lib, spec)
+    _check_flash_twice(lib, spec, kernel)
 
 
+@pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("prefix_lens,nodes,heads,page_size,split", [
     ((30000,), 65, 8, 64, True),         # 520 rows: 8 full tiles + 8 rows, 15 splits, a narrow CTA over two (the
                                          # last over one), the other slot an empty partial
@@ -114,7 +116,7 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads):
     ((5000, 300), 1, 8, 1, True),        # 8 rows at page size 1 (cp.async)
     ((200, 90), 2, 8, 64, False),        # too short to split: the narrow kernel writes the output itself
 ])
-def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split):
+def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split, kernel):
     """Row tiles of <= 16 rows run in the narrow kernel (four token groups on the same rows, merged at the end),
     covering one or two splits' KV ranges and leaving the other slot an empty partial in the NaN-poisoned workspace.
     Every form must match float64 and give the same bits on every run."""
@@ -122,23 +124,24 @@ def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split
     spec = config.CaseSpec(name=f"narrow-n{nodes}-h{heads}-p{page_size}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=page_size, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    _check_flash_twice(lib, spec, split)
+    _check_flash_twice(lib, spec, kernel, split)
 
 
+@pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("prefix_lens,nodes", [
     ((8192,) * 16, 33),                  # the B16 target: 448 full-tile CTAs and 64 narrow ones, four waves on an H200
     ((8000, 40, 7000, 0, 8100, 500, 3000, 64, 8000, 1, 6000, 2500, 8190, 90, 4000, 7500), 33),
     # ragged: the split count is planned for the longest request, so the short ones' later splits are empty (an
     # empty partial) or a single, partial tile
 ])
-def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes):
+def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes, kernel):
     """Batches whose CTAs (row tile x split x request) outnumber the SMs several times over, with requests of very
     different lengths under one split plan. Every row must match float64 and give the same bits on every run."""
     seed = int.from_bytes(os.urandom(4), "little")
     spec = config.CaseSpec(name=f"waves-b{len(prefix_lens)}-n{nodes}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    _check_flash_twice(lib, spec)
+    _check_flash_twice(lib, spec, kernel)
 
 
 def test_limits_t1025_and_h64(lib):
@@ -234,7 +237,7 @@ def test_verify_kernels_replay_from_a_cuda_graph(lib):
         direct, _ = lib.run(kernel, x)
         out, lse = lib.alloc_outputs(x)
         p = lib.params(x, out, lse)
-        if kernel == "flash":
+        if kernel in abi.FLASH_KERNELS:
             assert lib.flash_splits(p) > 1
         ws = lib.alloc_workspace(kernel, p, x.q.device)
         torch.cuda.synchronize()

@@ -70,6 +70,8 @@ struct FlashPlan {
   size_t workspace_bytes;
 };
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count);
-cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream);
+// portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU.
+cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
+                                     cudaStream_t stream);
 }  // namespace kdtree
 #endif
