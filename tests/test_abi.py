@@ -70,6 +70,17 @@ def test_params_struct_matches_library_and_cpu_tensors_refused(case, sm90_librar
         lib.call("fastest", abi.VerifyAttnParams())
 
 
+def test_library_without_an_entry_point_loads_and_refuses_that_kernel(monkeypatch, sm90_library):
+    """A library built before an entry point existed (an A/B base) still loads; only calling the missing kernel is
+    refused, with one line naming it. The current library has every verify kernel."""
+    assert abi.Library(sm90_library).kernels == tuple(abi.VERIFY_KERNELS)
+    monkeypatch.setitem(abi.VERIFY_KERNELS, "flash-next", "kdtree_verify_attn_flash_next")
+    lib = abi.Library(sm90_library)
+    assert "flash-next" not in lib.kernels and "flash-portable" in lib.kernels
+    with pytest.raises(abi.AbiArgumentError, match="has no flash-next kernel .* older sources"):
+        lib.call("flash-next", abi.VerifyAttnParams())
+
+
 def test_stale_library_warns(monkeypatch, sm90_library):
     monkeypatch.setattr(kbuild, "source_hash", lambda *a: "f" * 64)
     with pytest.warns(abi.StaleLibraryWarning, match="run 'kdev build'"):
