@@ -189,7 +189,7 @@ def _write_json_file(path: Optional[Path], doc: dict) -> None:
 @command
 def verify_cmd(
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
-    kernel: str = typer.Option("naive,flash", "--kernel",
+    kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
                                     "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),

@@ -37,6 +37,7 @@ class DeployConfig:
     target_arch: str
     required_suites: tuple
     required_kernels: tuple
+    proxy_kernels: tuple  # run off the target arch, the code path the target runs (flash-portable for sm_120)
     memory_headroom_gib: float
     max_ledger_age_days: float
 
@@ -50,6 +51,7 @@ def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
         target_arch=target or configured_target,
         required_suites=tuple(r.get("required_suites", list, ["smoke"])),
         required_kernels=tuple(r.get("required_kernels", list, ["naive", "flash"])),
+        proxy_kernels=tuple(r.get("proxy_kernels", list, ["flash-portable"])),
         memory_headroom_gib=r.get("memory_headroom_gib", float, 8.0),
         max_ledger_age_days=r.get("max_ledger_age_days", float, 14.0))
     r.done()
@@ -199,9 +201,16 @@ def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=
         return Probe("ledger", FAIL, f"no passing verify for suites {', '.join(missing_suites)}", details)
     where = f"{newest['gpu'].get('name')} ({newest['gpu'].get('arch')})"
     if not on_target:
-        archs = sorted({r["gpu"].get("arch") for r in good})
-        return Probe("ledger", WARN, f"verified only on {', '.join(archs)} ({where}, {age_s}); no passing verify on "
-                     f"the target {cfg.target_arch}", details)
+        # Another GPU's verify says something about the target only where it ran the target's code path (on an H200 the
+        # flash call takes kernels that sm_120 cannot hold): without the proxy kernels, the target's kernels never ran.
+        archs = ", ".join(sorted({r["gpu"].get("arch") for r in good}))
+        proxy = ", ".join(cfg.proxy_kernels)
+        if not any(all(r.get("kernels", {}).get(n, {}).get("passed") for n in cfg.proxy_kernels) for r in good):
+            return Probe("ledger", FAIL, f"verified only on {archs} ({where}, {age_s}) and not with {proxy}: the "
+                         f"{cfg.target_arch} code path never ran ('kdev verify --kernel "
+                         f"{','.join((*cfg.required_kernels, *cfg.proxy_kernels))}')", details)
+        return Probe("ledger", WARN, f"verified only on {archs} ({where}, {age_s}), with {proxy} (the "
+                     f"{cfg.target_arch} code path) passing there; no passing verify on the target", details)
     if age.days > cfg.max_ledger_age_days:
         return Probe("ledger", WARN, f"last passing verify on {where} is {age_s}", details)
     return Probe("ledger", PASS, f"verified on {where}, {age_s}", details)

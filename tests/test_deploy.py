@@ -60,11 +60,11 @@ class FakeNvml:
     def nvmlDeviceGetPersistenceMode(self, h): return 1
 
 
-def ledger_with(tmp_path, repo, arch, passed=True, suite="smoke"):
+def ledger_with(tmp_path, repo, arch, passed=True, suite="smoke", kernels=("naive", "flash", "flash-portable")):
     folder = tmp_path / "ledger"
     rec = {"schema_version": 1, "timestamp": verify.now_iso(), "kind": "suite", "passed": passed,
            "source_hash": kbuild.source_hash(repo / "kernels"), "suite": {"name": suite},
-           "gpu": {"name": "GPU", "arch": arch}, "kernels": {"naive": {"passed": passed}, "flash": {"passed": passed}}}
+           "gpu": {"name": "GPU", "arch": arch}, "kernels": {k: {"passed": passed} for k in kernels}}
     verify.append_record(rec, folder)
     return folder
 
@@ -84,6 +84,19 @@ def test_clean_repo_after_build_and_verify(repo, tmp_path):
 def test_only_another_arch_verified_warns_and_names_it(repo, tmp_path):
     p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger_with(tmp_path, repo, "sm_90"))[0])
     assert p["ledger"].status == "warn" and "sm_90" in p["ledger"].reason and "sm_120" in p["ledger"].reason
+    assert "flash-portable" in p["ledger"].reason
+
+
+def test_another_arch_without_the_target_code_path_fails(repo, tmp_path):
+    """An H200 verify of naive and flash alone never ran the kernels an sm_120 GPU runs: no deploy to sm_120."""
+    ledger = ledger_with(tmp_path, repo, "sm_90", kernels=("naive", "flash"))
+    p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger)[0])
+    assert p["ledger"].status == "fail" and "sm_120 code path never ran" in p["ledger"].reason
+    assert "--kernel naive,flash,flash-portable" in p["ledger"].reason
+    # on the target itself the flash call is that code path: naive and flash suffice
+    p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger_with(tmp_path / "t", repo, "sm_120",
+                                                                             kernels=("naive", "flash")))[0])
+    assert p["ledger"].status == "pass"
 
 
 def test_no_record_for_current_hash_fails(repo, tmp_path):
