@@ -8,8 +8,9 @@
 // * Rows. One latent KV head serves every query head, so a request's T nodes x H heads form R = T*H rows
 //   (row = node*H + head, contiguous in q) and every KV tile is read once per CTA for 64 rows.
 // * CTA = 8 warps, 64 rows x 32-token KV tiles, one CTA per SM. The lockstep kernels (91,136 B of dynamic shared
-//   memory: fits sm_120's 101,376 B limit) run on sm_120 and wherever pages are under 32 tokens: warp w = (row group
-//   g = w%4, half c = w/4), a block barrier per tile. Where a block holds 186 KB (sm_90) the tensor-copy path runs
+//   memory: fits sm_120's 101,376 B limit) run on sm_120, wherever pages are under 32 tokens, and in every portable
+//   call (kdtree_verify_attn_flash_portable): warp w = (row group g = w%4, half c = w/4), a block barrier per tile.
+//   Otherwise, where a block holds 186 KB (sm_90), the tensor-copy path runs
 //   as two teams of warps out of phase (verify_attn_flash_teams_kernel, below): no barrier that all warps meet per
 //   tile, a four-deep KV ring, the two warps of a scheduler in different teams (v21 in NOTES.md: 2-8 % faster), and
 //   P.V over a team's 32 rows, a tile behind S (v23: 1.5-3.6 % faster at six target shapes).
