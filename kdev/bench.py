@@ -359,7 +359,9 @@ def load_peer(spec: str):
 
 
 def make_runner(name: str, x, lib, peers: dict) -> Runner:
-    if name in ("naive", "flash", "flash-portable"):
+    from kdev.abi import VERIFY_KERNELS
+
+    if name in VERIFY_KERNELS:
         return AbiRunner(lib, name, x)
     if name == "torch-eager":
         return TorchEagerRunner(x)
