@@ -164,6 +164,25 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[kKSteps][4], con
   }
 }
 
+// S partial of a warp's 16 rows over its dim half c: sacc[nt] (tokens 8nt + [0, 8) of the 32-token tile in the KV buffer
+// at kbuf) += Q[16 rows, the k-steps 2j + c] . K^T, in four independent accumulator chains (measured the same speed as
+// two passes of two, NOTES.md). k_lane_off: the lane's ldmatrix row offset in a box for the even k-steps (the odd ones'
+// is it with bit 6 flipped: see the kernels).
+__device__ __forceinline__ void score_half_tile(float (&sacc)[4][4], const uint32_t (&qf)[kKSteps][4], unsigned kbuf,
+                                                unsigned k_lane_off) {
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t bf[4], bg[4];
+    const unsigned ka = kbuf + (ks >> 1) * kBoxBytes + (k_lane_off ^ ((ks & 1) << 6));
+    ldmatrix_x4(bf, ka);
+    ldmatrix_x4(bg, ka + 16 * 128);
+    mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
+    mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
+    mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
+    mma_bf16(sacc[3], qf[ks], bg[2], bg[3]);
+  }
+}
+
 // 2^x by the MUFU unit directly (ex2.approx.ftz): exp2f wraps it in a range check and two scalings for subnormal
 // results, which a softmax term below 2^-126 of its row max never needs (it flushes to 0).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -773,25 +792,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 (its buffer and s_part)
     if (start + kBlockN < kv_end) load_tile(buf ^ 1, start + kBlockN);
 
-    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T in one pass (four independent accumulator
-    // chains: measured the same speed as two passes of two, see NOTES.md). The partner warp (same rows,
-    // other dim half) needs it: store it, meet at a 64-thread named barrier, add the partner's. Two-operand
-    // float addition is commutative, so own + partner gives both warps the same bits.
+    // ---- S partial = Q[16 rows, dims half c] . K[32 tokens]^T in one pass. The partner warp (same rows, other dim
+    // half) needs it: store it, meet at a 64-thread named barrier, add the partner's. Two-operand float addition is
+    // commutative, so own + partner gives both warps the same bits.
     float sacc[4][4] = {};
-    {
-      const unsigned kbuf = kv_smem + buf * kBufBytes;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t bf[4], bg[4];
-        const unsigned ka = kbuf + (ks >> 1) * kBoxBytes + (k_lane_off ^ ((ks & 1) << 6));
-        ldmatrix_x4(bf, ka);
-        ldmatrix_x4(bg, ka + 16 * 128);
-        mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
-        mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
-        mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
-        mma_bf16(sacc[3], qf[ks], bg[2], bg[3]);
-      }
-    }
+    score_half_tile(sacc, qf, kv_smem + buf * kBufBytes, k_lane_off);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
       sm.s_part[0][warp][nt][lane] = make_float4(sacc[nt][0], sacc[nt][1], sacc[nt][2], sacc[nt][3]);
@@ -997,18 +1002,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t_now));
       const unsigned ln = t_now & 31, cc = (t_now >> 5) & 1;
       const unsigned k_lane_off = (((ln >> 4) & 1) * 8 + (ln & 7)) * 128 + (((2 * cc + ((ln >> 3) & 1)) ^ (ln & 7)) << 4);
-      const unsigned kbuf = kv_smem + buf * kBufBytes;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t bf[4], bg[4];
-        const unsigned ka = kbuf + (ks >> 1) * kBoxBytes + (k_lane_off ^ ((ks & 1) << 6));
-        ldmatrix_x4(bf, ka);
-        ldmatrix_x4(bg, ka + 16 * 128);
-        mma_bf16(sacc[0], qf[ks], bf[0], bf[1]);
-        mma_bf16(sacc[1], qf[ks], bf[2], bf[3]);
-        mma_bf16(sacc[2], qf[ks], bg[0], bg[1]);
-        mma_bf16(sacc[3], qf[ks], bg[2], bg[3]);
-      }
+      score_half_tile(sacc, qf, kv_smem + buf * kBufBytes, k_lane_off);
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
