@@ -453,21 +453,34 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
 @app.command("sass")
 @command
 def sass_cmd(
-    kernel: str = typer.Option("verify_attn_flash", "--kernel",
-                               help="Kernel name (or part of it); the default matches both flash kernels."),
+    kernel: Optional[str] = typer.Option(None, "--kernel",
+                                         help="Kernel name (or part of it); default: both flash kernels, or with "
+                                              "--against every kernel."),
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
+    against: Optional[Path] = typer.Option(None, "--against",
+                                           help="A base library: compare the machine code of each kernel with it "
+                                                "instead (same, changed, added, removed)."),
+    expect_same: bool = typer.Option(False, "--expect-same",
+                                     help="With --against: exit 1 unless every compared kernel's SASS is identical."),
     json_out: bool = JsonOpt,
 ):
     """The SASS schedule of a kernel's tensor-core loops: HMMA accumulator chains in flight and how far each
-    HMMA's fragment load runs ahead of it, per arch, read from the built library (no GPU needed)."""
+    HMMA's fragment load runs ahead of it, per arch, read from the built library (no GPU needed). With --against,
+    which kernels' machine code differs from another build's."""
     from kdev import build as kbuild
     from kdev import sass
 
+    if expect_same and against is None:
+        raise typer.BadParameter("needs --against (the build to compare with)", param_hint="--expect-same")
     lib = library or kbuild.latest_library()
     if lib is None:
         raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
     archs = _split_archs(arch)
+    if against is not None:
+        _sass_compare(sass, against, lib, "" if kernel is None else kernel, archs, expect_same, json_out)
+        return
+    kernel = "verify_attn_flash" if kernel is None else kernel
     rows = sass.report(sass.parse(sass.dump(lib)), kernel, archs)
     if json_out:
         report.emit_json({"library": str(lib), "kernel": kernel, "loops": rows})
@@ -494,6 +507,38 @@ def sass_cmd(
     report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
                 "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
                 "LDSM / LDS of an HMMA's fragments to the HMMA")
+
+
+def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:
+    """kdev sass --against: every matching kernel's machine code in lib against base's."""
+    rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
+    differ = [r for r in rows if r["status"] != "same"]
+    if json_out:
+        report.emit_json({"library": str(lib), "against": str(base), "kernel": kernel, "same": not differ,
+                          "kernels": rows})
+    else:
+        def change(a, b, fmt=str):  # "a" when equal, "a -> b" otherwise ("-" for a side that has no such kernel)
+            a, b = ("-" if x is None else fmt(x) for x in (a, b))
+            return a if a == b else f"{a} -> {b}"
+
+        def loop_sizes(xs):
+            return "/".join(map(str, xs)) or "none"
+
+        if differ:  # identical kernels are counted in the summary line, not listed
+            report.show(report.table(
+                f"SASS of {lib.parent.name} against {base.parent.name}" + (f" ('{kernel}')" if kernel else ""),
+                ["kernel", "arch", "status", "instructions", "differ", "HMMA loops"],
+                [[r["kernel"], r["arch"], r["status"], change(r["base_instructions"], r["instructions"]),
+                  r["changed_instructions"],
+                  change(r["base_hmma_loops"] if r["base_instructions"] is not None else None,
+                         r["hmma_loops"] if r["instructions"] is not None else None, loop_sizes)] for r in differ],
+                {"left": ("kernel", "arch", "status")}))
+            report.show("differ: instructions that differ (branch targets aside); HMMA loops: the instructions of "
+                        "each loop that issues HMMA")
+        report.show(f"{len(rows) - len(differ)} of {len(rows)} kernels x archs identical to {base}"
+                    + (f", {len(differ)} differ" if differ else ""))
+    if expect_same and differ:
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 # ----------------------------------------------------------------------------------------- deploy-check

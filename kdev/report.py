@@ -74,7 +74,9 @@ def progress(label: str, total: int):
 def table(title: str, columns: list[str], rows: list[list], styles: dict | None = None) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in columns:
-        t.add_column(c, justify="left" if c in (styles or {}).get("left", ()) else "right")
+        left = c in (styles or {}).get("left", ())
+        # names (kernels with their template arguments, paths) fold onto a second line rather than lose their end
+        t.add_column(c, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
     for r in rows:
         t.add_row(*[str(x) for x in r])
     return t

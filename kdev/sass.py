@@ -9,12 +9,17 @@ Per loop (a backward branch and the instructions it jumps over) that issues HMMA
   A short lead is the ldmatrix latency the warp must cover with other warps' work.
 These are the figures that explained flash v9 without a GPU (kernels/NOTES.md, "where v9 waits"): the
 source kept four S chains, the SASS two.
+
+And the machine code of two builds side by side (`compare`): per kernel and arch, whether the SASS is identical,
+and if not how many instructions differ. A refactor or a comment edit is proven harmless by identical SASS without a
+GPU run; a variant shows which kernels it really changed before GPU time is spent on it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import difflib
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -28,6 +33,11 @@ _RE_FUNC = re.compile(r"^\s*Function : (\S+)")
 _RE_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _RE_REG = re.compile(r"^R(\d+)$")
 _LOADS = ("LDSM", "LDS")  # shared-memory loads that feed mma fragments
+# nvcc names a file's anonymous namespace after the file and a hash that changes between builds of the same source
+# (in the mangled kernel names, and in any instruction that addresses a symbol inside it)
+_RE_ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}(?=\d)")
+_RE_HEX = re.compile(r"\b0x[0-9a-f]+\b")
+_JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "BSSY", "SSY", "PBK", "PCNT")  # instructions whose operand is an address
 
 
 @dataclass
@@ -36,6 +46,7 @@ class Instr:
     opcode: str  # full opcode with modifiers, e.g. HMMA.16816.F32.BF16
     operands: list[str]
     predicated: bool
+    text: str = ""  # as printed, guard predicate included (without the address and the encoding)
 
     @property
     def op(self) -> str:
@@ -50,12 +61,13 @@ class Function:
 
 
 def parse_instr(text: str, addr: int) -> Instr:
+    full = _RE_ANON.sub("_GLOBAL__N_", " ".join(text.split()))
     pred = text.startswith("@")
     if pred:
         text = text.split(None, 1)[1]
     opcode, _, rest = text.partition(" ")
     ops = [o.strip() for o in rest.split(",")] if rest.strip() else []
-    return Instr(addr=addr, opcode=opcode, operands=ops, predicated=pred)
+    return Instr(addr=addr, opcode=opcode, operands=ops, predicated=pred, text=full)
 
 
 def parse(text: str) -> list[Function]:
@@ -205,3 +217,60 @@ def dump(library: Path) -> str:
             raise EnvironmentMissing(f"cuobjdump needs nvdisasm for SASS: {last} (pip install 'kdev[build]')")
         raise BadInput(f"cuobjdump could not read {library}: {last}")
     return r.stdout
+
+
+def _by_kernel(functions: list[Function], kernel: str, archs: list[str] | None) -> dict[tuple[str, str], Function]:
+    """(arch, readable name) -> function, for the functions whose readable name contains `kernel`."""
+    names = demangle(sorted({f.name for f in functions}))
+    out = {}
+    for f in functions:
+        if kernel in names[f.name] and (not archs or f.arch in archs):
+            key = (f.arch, names[f.name])
+            n = 2
+            while key in out:  # overloads that share a readable name: keep them apart, in dump order
+                key, n = (f.arch, f"{names[f.name]} #{n}"), n + 1
+            out[key] = f
+    return out
+
+
+def _changed_instructions(base: Function, this: Function) -> int:
+    """Instructions that differ, counted on the larger side of each differing stretch. Branch targets are masked
+    first: one inserted instruction moves every target behind it, which is not a change of those branches."""
+    def masked(fn: Function) -> list[str]:
+        return [_RE_HEX.sub("0x_", i.text) if i.op in _JUMPS else i.text for i in fn.instrs]
+
+    a, b = masked(base), masked(this)
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+
+
+def _hmma_loop_sizes(fn: Function) -> list[int]:
+    return [last - first + 1 for first, last in loops(fn)
+            if any(ins.op == "HMMA" for ins in fn.instrs[first:last + 1])]
+
+
+def compare(base: list[Function], this: list[Function], kernel: str = "",
+            archs: list[str] | None = None) -> list[dict]:
+    """One row per (arch, kernel) in either build whose readable name contains `kernel`: status same (identical
+    instructions), changed, added (only in this build) or removed (only in the base); instruction counts, the
+    number of instructions that differ, and the sizes of the loops that issue HMMA in each."""
+    old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
+    if not old and not new:
+        have = sorted(set(demangle(sorted({f.name for f in base + this})).values()))
+        raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
+                       + f" in either library; they have: {', '.join(have) or 'none'}")
+    rows = []
+    for key in sorted(old.keys() | new.keys(), key=lambda k: (k[1], k[0])):
+        a, b = old.get(key), new.get(key)
+        if a is None or b is None:
+            status, changed = ("added", len(b.instrs)) if a is None else ("removed", len(a.instrs))
+        else:
+            same = [i.text for i in a.instrs] == [i.text for i in b.instrs]
+            status, changed = ("same", 0) if same else ("changed", _changed_instructions(a, b))
+        rows.append({
+            "arch": key[0], "kernel": key[1], "status": status,
+            "base_instructions": len(a.instrs) if a else None, "instructions": len(b.instrs) if b else None,
+            "changed_instructions": changed,
+            "base_hmma_loops": _hmma_loop_sizes(a) if a else [], "hmma_loops": _hmma_loop_sizes(b) if b else [],
+        })
+    return rows

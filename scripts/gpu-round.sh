@@ -33,7 +33,8 @@
 # (--normalize-by applies: a candidate SLOW at any shape ends its step with bench's regression exit code, 1; the
 # plain bench step takes --normalize-by only beside --baseline, which it needs);
 # scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt.
-# With --kernel-times, the base library's launches are timed too (kernel-times-base.txt).
+# With --kernel-times, the base library's launches are timed too (kernel-times-base.txt). round.log records which
+# kernels' machine code the candidate changed (kdev sass --against the base; for --variants, each against the tree).
 # --variants build/variants/q2/kernels,build/variants/comb2/kernels: several other kernels/ trees timed beside the
 # working tree in this machine start, each built into a library of its own and named by its folder (the one above
 # kernels/). Per --sweep the working tree runs first and last (their drift is the noise band) and every variant in
@@ -129,6 +130,11 @@ build_kernels() {  # build_kernels STEP KERNELS_DIR JSON: another kernels/ tree 
   step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ "$2" "$3"
   BUILT_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$3" 2>/dev/null)"
 }
+sass_against() {  # sass_against LIBRARY BASE: which kernels' sm_90 machine code differs from BASE's, into round.log
+  # (informational, not a step, like the sass table: a round without cuobjdump / nvdisasm only loses the lines)
+  { echo "=== sass: python3 -m kdev sass --library $1 --against $2 --arch sm_90"
+    python3 -m kdev sass --library "$1" --against "$2" --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 20
+}
 kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one bench sweep's flash and combine launches
   local name="$1"; shift
   local csv_path; csv_path="$(mktemp -d)/$name.csv"  # one row per launch: only the summary comes back
@@ -143,8 +149,11 @@ step build python3 -m kdev build --arch sm_90
 # the SASS schedule of the flash kernel just built (accumulator chains, fragment-load lead), for the record
 # beside the timings; informational, not a step: a machine without cuobjdump / nvdisasm only loses the table
 # (only after a good build: latest.json would still name the previous library)
-[ "${RC[build]}" = 0 ] &&
+TREE_LIB=""
+if [ "${RC[build]}" = 0 ]; then
   { echo "=== sass: python3 -m kdev sass --arch sm_90"; python3 -m kdev sass --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 12
+  TREE_LIB="$(python3 -c 'from kdev.build import latest_library; print(latest_library() or "")' 2>/dev/null)"
+fi
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
@@ -164,6 +173,8 @@ done
 if [ -n "$AB_KERNELS" ]; then
   ab_dir="$(mktemp -d)"  # the bench documents stay there: only the summaries come back
   build_kernels ab-build "$AB_KERNELS" "$ab_dir/build.json"; AB_LIB="$BUILT_LIB"
+  # what the candidate (the working tree) changed in the machine code against the base
+  [ -z "$AB_LIB" ] || [ -z "$TREE_LIB" ] || sass_against "$TREE_LIB" "$AB_LIB"
   for sw in ${SWEEP//,/ }; do
     [ -n "$AB_LIB" ] || break
     for pair in 1 2; do
@@ -183,6 +194,7 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
   for name in "${!VARIANT_DIR[@]}"; do
     build_kernels "variant-build-$name" "${VARIANT_DIR[$name]}" "$var_dir/build-$name.json"
     [ -z "$BUILT_LIB" ] || VARIANT_LIB[$name]="$BUILT_LIB"
+    [ -z "$BUILT_LIB" ] || [ -z "$TREE_LIB" ] || sass_against "$BUILT_LIB" "$TREE_LIB"  # what the variant changed
     # checked before it is timed: the smoke suite (page sizes 1 and 64, ragged batches) and a short fuzz, flash only
     [ -z "$BUILT_LIB" ] || step "variant-verify-$name" bash -c 'python3 -m kdev verify --library "$1" --suite smoke \
       --kernel flash && python3 -m kdev verify --library "$1" --fuzz 20 --kernel flash' _ "$BUILT_LIB"

@@ -106,6 +106,79 @@ def test_report_filters_kernel_and_arch_and_names_what_exists():
         sass.report(fns, "nope")
 
 
+def _edited(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+def test_compare_of_a_build_with_itself_is_all_same():
+    fns = sass.parse(SASS)
+    rows = sass.compare(fns, sass.parse(SASS))
+    assert [(r["arch"], r["kernel"], r["status"], r["changed_instructions"]) for r in rows] == [
+        ("sm_120", "k_carried", "same", 0), ("sm_90", "k_carried", "same", 0), ("sm_90", "k_two_chains", "same", 0)]
+    assert rows[1]["base_hmma_loops"] == rows[1]["hmma_loops"] == [6]
+
+
+def test_compare_counts_changed_instructions_and_ignores_moved_branch_targets():
+    # one instruction inserted into k_two_chains' loop: every later address and both branch targets behind it move,
+    # which counts as the one inserted instruction only; k_carried on sm_90 gets a changed operand
+    edited = _edited(SASS, "/*0080*/                   NOP ;",
+                     "/*0080*/                   NOP ;\n        /*0081*/                   NOP ;")
+    edited = _edited(edited, "@!P0 BRA 0x00c0", "@!P0 BRA 0x00d0")
+    edited = _edited(edited, "BRA 0x0060 ;", "BRA 0x0070 ;")
+    edited = _edited(edited, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, R9")
+    rows = {(r["arch"], r["kernel"]): r for r in sass.compare(sass.parse(SASS), sass.parse(edited))}
+    two = rows[("sm_90", "k_two_chains")]
+    assert (two["status"], two["changed_instructions"]) == ("changed", 1)
+    assert (two["base_instructions"], two["instructions"]) == (16, 17)
+    assert (two["base_hmma_loops"], two["hmma_loops"]) == ([10], [11])
+    assert (rows[("sm_90", "k_carried")]["status"], rows[("sm_90", "k_carried")]["changed_instructions"]) == ("changed", 1)
+    assert rows[("sm_120", "k_carried")]["status"] == "same"
+    # a changed guard predicate is a change too (text compared as printed, predicate included)
+    guard = _edited(SASS, "@P1 BRA 0x0020", "@!P1 BRA 0x0020")
+    assert [r["status"] for r in sass.compare(sass.parse(SASS), sass.parse(guard), "k_two_chains")] == ["changed"]
+
+
+def test_compare_names_kernels_only_in_one_build_and_filters_by_kernel_and_arch():
+    renamed = SASS.replace("Function : k_two_chains", "Function : k_four_chains")
+    rows = sass.compare(sass.parse(SASS), sass.parse(renamed), "chains", ["sm_90"])
+    assert [(r["kernel"], r["status"], r["base_instructions"], r["instructions"], r["changed_instructions"])
+            for r in rows] == [("k_four_chains", "added", None, 16, 16), ("k_two_chains", "removed", 16, None, 16)]
+    with pytest.raises(BadInput, match="no kernel matching 'nope' in either library.*k_carried"):
+        sass.compare(sass.parse(SASS), sass.parse(renamed), "nope")
+
+
+def test_anonymous_namespace_hash_does_not_count_as_a_change():
+    # nvcc names a file's anonymous namespace with a hash of its own: builds of the same source may differ there
+    sym = "_ZN6kdtree53_GLOBAL__N__{}_20_verify_attn_flash_cu_{}8g_probeE"
+    a = _edited(SASS, "MOV R1, c[0x0][0x28]", "MOV R1, 32@lo(" + sym.format("50670c2e", "d303a9c4") + ")")
+    b = _edited(SASS, "MOV R1, c[0x0][0x28]", "MOV R1, 32@lo(" + sym.format("1234abcd", "0badf00d") + ")")
+    assert {r["status"] for r in sass.compare(sass.parse(a), sass.parse(b))} == {"same"}
+
+
+def test_sass_against_command_exit_codes(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    base, cand = tmp_path / "base" / "libkdtree.so", tmp_path / "cand" / "libkdtree.so"
+    texts = {base: SASS, cand: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, R9")}
+    monkeypatch.setattr(sass, "dump", lambda lib: texts[lib])
+    runner = CliRunner()
+    args = ["sass", "--library", str(cand), "--against", str(base)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "k_carried" in r.stdout and "2 of 3 kernels x archs identical" in r.stdout
+    r = runner.invoke(app, args + ["--expect-same", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and doc["same"] is False
+    assert [(k["arch"], k["status"]) for k in doc["kernels"] if k["kernel"] == "k_carried"] == [
+        ("sm_120", "same"), ("sm_90", "changed")]
+    r = runner.invoke(app, args + ["--expect-same", "--arch", "sm_120"])
+    assert r.exit_code == 0 and "1 of 1 kernels x archs identical" in r.stdout
+    r = runner.invoke(app, ["sass", "--library", str(cand), "--expect-same"])
+    assert r.exit_code == 2 and "needs --against" in r.output and "Traceback" not in r.output
+
+
 def test_missing_library_is_bad_input(tmp_path):
     with pytest.raises(BadInput, match="no such library"):
         sass.dump(tmp_path / "libnone.so")
@@ -131,6 +204,13 @@ def test_sass_command_on_a_built_library(sm90_library):
     bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no kernel matching" in bad.stderr and "Traceback" not in bad.stderr
+    # the library against itself: every kernel of it, identical
+    same = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--against",
+                           str(sm90_library), "--expect-same", "--json"], capture_output=True, text=True)
+    assert same.returncode == 0, same.stderr
+    doc = json.loads(same.stdout)
+    assert doc["same"] and {k["status"] for k in doc["kernels"]} == {"same"}
+    assert full | narrow | {"verify_attn_naive_kernel"} <= {k["kernel"] for k in doc["kernels"]}
 
 
 def test_cuobjdump_without_nvdisasm_is_an_environment_error(tmp_path, monkeypatch):
