@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 
@@ -12,8 +13,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
+
+
+def _console(to_stderr: bool) -> Console:
+    # A pipe or a file (a log through tee, CI) has no width of its own, and rich would then fold every table at 80
+    # columns (a bench row over four lines); there, tables take the width they need up to 200 columns. A terminal,
+    # or COLUMNS where set, decides as usual.
+    stream = sys.stderr if to_stderr else sys.stdout
+    wide = not (stream.isatty() or os.environ.get("COLUMNS"))
+    return Console(stderr=to_stderr, highlight=False, width=200 if wide else None)
+
+
+stderr = _console(True)
+stdout = _console(False)
 
 
 def _jsonable(x):

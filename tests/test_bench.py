@@ -164,3 +164,22 @@ def test_tree_kernel_sweep_and_backend_validation(write_yaml):
 def test_loop_needs_ceilings_before_any_gpu_work():
     r = CliRunner().invoke(app, ["bench", "--loop", "S+PV 8w"])
     assert r.exit_code == 2 and "needs --ceilings" in r.stderr and "Traceback" not in r.output
+
+
+def test_a_report_into_a_pipe_keeps_each_row_on_one_line():
+    """Through a pipe (a round's log, CI), tables are not folded at 80 columns; COLUMNS still decides where set."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "h200-flash-v25-portable-targets.json"
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    r = subprocess.run([sys.executable, "-m", "kdev", "bench", "--from", str(stored)], capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if "B16-L8192-N32-H8-p64" in line]
+    assert len(rows) == 3 and any("flash-portable" in line and "334.2" in line for line in rows)
+    narrow = subprocess.run([sys.executable, "-m", "kdev", "bench", "--from", str(stored)], capture_output=True,
+                            text=True, env={**env, "COLUMNS": "80"})
+    assert narrow.returncode == 0 and max(map(len, narrow.stdout.splitlines())) <= 80
