@@ -459,8 +459,8 @@ def sass_cmd(
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
     against: Optional[Path] = typer.Option(None, "--against",
-                                           help="A base library: compare the machine code of each kernel with it "
-                                                "instead (same, changed, added, removed)."),
+                                           help="A base library (or its build folder): compare the machine code of "
+                                                "each kernel with it instead (same, changed, added, removed)."),
     expect_same: bool = typer.Option(False, "--expect-same",
                                      help="With --against: exit 1 unless every compared kernel's SASS is identical."),
     json_out: bool = JsonOpt,

@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev.build import demangle, find_cuobjdump, find_nvcc
+from kdev.build import LIB_NAME, demangle, find_cuobjdump, find_nvcc
 from kdev.errors import BadInput, EnvironmentMissing
 
 _RE_ARCH = re.compile(r"^\s*code for (sm_\w+)")
@@ -195,7 +195,9 @@ def report(functions: list[Function], kernel: str, archs: list[str] | None = Non
 
 
 def dump(library: Path) -> str:
-    """The library's SASS as cuobjdump prints it."""
+    """The library's SASS as cuobjdump prints it (a build folder stands for the library in it)."""
+    if library.is_dir() and (library / LIB_NAME).is_file():
+        library = library / LIB_NAME
     if not library.is_file():
         raise BadInput(f"{library}: no such library")
     try:
