@@ -462,7 +462,8 @@ def sass_cmd(
                                            help="A base library (or its build folder): compare the machine code of "
                                                 "each kernel with it instead (same, changed, added, removed)."),
     expect_same: bool = typer.Option(False, "--expect-same",
-                                     help="With --against: exit 1 unless every compared kernel's SASS is identical."),
+                                     help="With --against: exit 1 unless every compared kernel's SASS is identical "
+                                          "(other registers count as a difference)."),
     json_out: bool = JsonOpt,
 ):
     """The SASS schedule of a kernel's tensor-core loops: HMMA accumulator chains in flight and how far each
@@ -511,6 +512,7 @@ def sass_cmd(
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:
     """kdev sass --against: every matching kernel's machine code in lib against base's."""
+    base, lib = sass.library_file(base), sass.library_file(lib)
     rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
     differ = [r for r in rows if r["status"] != "same"]
     if json_out:
@@ -528,13 +530,16 @@ def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: 
             report.show(report.table(
                 f"SASS of {lib.parent.name} against {base.parent.name}" + (f" ('{kernel}')" if kernel else ""),
                 ["kernel", "arch", "status", "instructions", "differ", "HMMA loops"],
-                [[r["kernel"], r["arch"], r["status"], change(r["base_instructions"], r["instructions"]),
+                [[r["kernel"], r["arch"],
+                  r["status"] + (f" (code of {r['code_of']}: {r['code_likeness']})" if r["code_of"] else ""),
+                  change(r["base_instructions"], r["instructions"]),
                   r["changed_instructions"],
                   change(r["base_hmma_loops"] if r["base_instructions"] is not None else None,
                          r["hmma_loops"] if r["instructions"] is not None else None, loop_sizes)] for r in differ],
                 {"left": ("kernel", "arch", "status")}))
-            report.show("differ: instructions that differ (branch targets aside); HMMA loops: the instructions of "
-                        "each loop that issues HMMA")
+            report.show("registers: identical but for register numbers (another allocation); differ: "
+                        "instructions that differ (branch targets aside); HMMA loops: the instructions of each loop "
+                        "that issues HMMA")
         report.show(f"{len(rows) - len(differ)} of {len(rows)} kernels x archs identical to {base}"
                     + (f", {len(differ)} differ" if differ else ""))
     if expect_same and differ:

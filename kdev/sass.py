@@ -37,6 +37,7 @@ _LOADS = ("LDSM", "LDS")  # shared-memory loads that feed mma fragments
 # (in the mangled kernel names, and in any instruction that addresses a symbol inside it)
 _RE_ANON = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}(?=\d)")
 _RE_HEX = re.compile(r"\b0x[0-9a-f]+\b")
+_RE_REGNUM = re.compile(r"\b(U?R|U?P|B)(\d+)\b")  # R7, UR4, P0, UP1, B0 (RZ, PT, URZ have no number)
 _JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "BSSY", "SSY", "PBK", "PCNT")  # instructions whose operand is an address
 
 
@@ -194,10 +195,14 @@ def report(functions: list[Function], kernel: str, archs: list[str] | None = Non
     return rows
 
 
+def library_file(library: Path) -> Path:
+    """A build folder stands for the library in it."""
+    return library / LIB_NAME if library.is_dir() and (library / LIB_NAME).is_file() else library
+
+
 def dump(library: Path) -> str:
     """The library's SASS as cuobjdump prints it (a build folder stands for the library in it)."""
-    if library.is_dir() and (library / LIB_NAME).is_file():
-        library = library / LIB_NAME
+    library = library_file(library)
     if not library.is_file():
         raise BadInput(f"{library}: no such library")
     try:
@@ -246,33 +251,54 @@ def _changed_instructions(base: Function, this: Function) -> int:
     return sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
 
 
+def _register_numbers_aside(fn: Function) -> list[str]:
+    return [_RE_REGNUM.sub(r"\1", i.text) for i in fn.instrs]
+
+
 def _hmma_loop_sizes(fn: Function) -> list[int]:
     return [last - first + 1 for first, last in loops(fn)
             if any(ins.op == "HMMA" for ins in fn.instrs[first:last + 1])]
 
 
+def _likeness(a: Function, b: Function) -> str | None:
+    """same (identical instructions), registers (identical but for register numbers), or None."""
+    if [i.text for i in a.instrs] == [i.text for i in b.instrs]:
+        return "same"
+    return "registers" if _register_numbers_aside(a) == _register_numbers_aside(b) else None
+
+
 def compare(base: list[Function], this: list[Function], kernel: str = "",
             archs: list[str] | None = None) -> list[dict]:
     """One row per (arch, kernel) in either build whose readable name contains `kernel`: status same (identical
-    instructions), changed, added (only in this build) or removed (only in the base); instruction counts, the
-    number of instructions that differ, and the sizes of the loops that issue HMMA in each."""
+    instructions), registers (identical but for register numbers: ptxas allocated them differently; the numbers are
+    not checked against each other, so this says "look at the allocation", not "the same program"), changed, added (only in this build) or removed (only in the base); instruction counts, the
+    number of instructions that differ, and the sizes of the loops that issue HMMA in each. A kernel added under a
+    new name whose code is a removed kernel's (a template argument added, a kernel renamed) names it in `code_of`,
+    with how alike they are in `code_likeness`."""
     old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
     if not old and not new:
         have = sorted(set(demangle(sorted({f.name for f in base + this})).values()))
         raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
                        + f" in either library; they have: {', '.join(have) or 'none'}")
+    removed = [k for k in old if k not in new]
     rows = []
     for key in sorted(old.keys() | new.keys(), key=lambda k: (k[1], k[0])):
         a, b = old.get(key), new.get(key)
+        code_of = likeness = None
         if a is None or b is None:
             status, changed = ("added", len(b.instrs)) if a is None else ("removed", len(a.instrs))
+            for k in removed if a is None else ():
+                if k[0] == key[0] and (likeness := _likeness(old[k], b)):
+                    code_of = k[1]
+                    break
         else:
-            same = [i.text for i in a.instrs] == [i.text for i in b.instrs]
-            status, changed = ("same", 0) if same else ("changed", _changed_instructions(a, b))
+            status = _likeness(a, b) or "changed"
+            changed = _changed_instructions(a, b) if status == "changed" else 0
         rows.append({
             "arch": key[0], "kernel": key[1], "status": status,
             "base_instructions": len(a.instrs) if a else None, "instructions": len(b.instrs) if b else None,
             "changed_instructions": changed,
             "base_hmma_loops": _hmma_loop_sizes(a) if a else [], "hmma_loops": _hmma_loop_sizes(b) if b else [],
+            "code_of": code_of, "code_likeness": likeness,
         })
     return rows

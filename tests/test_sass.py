@@ -126,7 +126,7 @@ def test_compare_counts_changed_instructions_and_ignores_moved_branch_targets():
                      "/*0080*/                   NOP ;\n        /*0081*/                   NOP ;")
     edited = _edited(edited, "@!P0 BRA 0x00c0", "@!P0 BRA 0x00d0")
     edited = _edited(edited, "BRA 0x0060 ;", "BRA 0x0070 ;")
-    edited = _edited(edited, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, R9")
+    edited = _edited(edited, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, RZ")
     rows = {(r["arch"], r["kernel"]): r for r in sass.compare(sass.parse(SASS), sass.parse(edited))}
     two = rows[("sm_90", "k_two_chains")]
     assert (two["status"], two["changed_instructions"]) == ("changed", 1)
@@ -137,6 +137,34 @@ def test_compare_counts_changed_instructions_and_ignores_moved_branch_targets():
     # a changed guard predicate is a change too (text compared as printed, predicate included)
     guard = _edited(SASS, "@P1 BRA 0x0020", "@!P1 BRA 0x0020")
     assert [r["status"] for r in sass.compare(sass.parse(SASS), sass.parse(guard), "k_two_chains")] == ["changed"]
+
+
+def test_compare_tells_other_registers_from_other_instructions():
+    # k_carried on sm_120 with its accumulator in R4 instead of R0: identical but for register numbers
+    renamed = _edited(SASS, "HMMA.16816.F32.BF16 R0, R44, R40, R0 ;     /* 0x000 */\n        /*0010*/",
+                      "HMMA.16816.F32.BF16 R4, R44, R40, R4 ;     /* 0x000 */\n        /*0010*/")
+    rows = {(r["arch"], r["kernel"]): r for r in sass.compare(sass.parse(SASS), sass.parse(renamed))}
+    assert (rows[("sm_120", "k_carried")]["status"], rows[("sm_120", "k_carried")]["changed_instructions"]) == (
+        "registers", 0)
+    assert rows[("sm_90", "k_carried")]["status"] == "same"
+    # an operand that is no register (RZ for R0) is a change
+    other = _edited(SASS, "HMMA.16816.F32.BF16 R0, R44, R40, R0 ;     /* 0x000 */\n        /*0010*/",
+                    "HMMA.16816.F32.BF16 R4, R44, R40, RZ ;     /* 0x000 */\n        /*0010*/")
+    assert [r["status"] for r in sass.compare(sass.parse(SASS), sass.parse(other), "k_carried", ["sm_120"])] == [
+        "changed"]
+
+
+def test_compare_names_the_removed_kernel_whose_code_an_added_one_has():
+    # k_two_chains renamed k_four_chains with the same code, and on sm_120 k_carried renamed with other registers
+    renamed = SASS.replace("Function : k_two_chains", "Function : k_four_chains")
+    renamed = _edited(renamed, "Function : k_carried\n        /*0000*/                   HMMA.16816.F32.BF16 R0, R44, R40, R0",
+                      "Function : k_carried2\n        /*0000*/                   HMMA.16816.F32.BF16 R4, R44, R40, R4")
+    rows = {(r["arch"], r["kernel"]): r for r in sass.compare(sass.parse(SASS), sass.parse(renamed))}
+    four = rows[("sm_90", "k_four_chains")]
+    assert (four["status"], four["code_of"], four["code_likeness"]) == ("added", "k_two_chains", "same")
+    again = rows[("sm_120", "k_carried2")]
+    assert (again["status"], again["code_of"], again["code_likeness"]) == ("added", "k_carried", "registers")
+    assert rows[("sm_90", "k_two_chains")]["status"] == "removed" and rows[("sm_90", "k_two_chains")]["code_of"] is None
 
 
 def test_compare_names_kernels_only_in_one_build_and_filters_by_kernel_and_arch():
@@ -162,7 +190,7 @@ def test_sass_against_command_exit_codes(monkeypatch, tmp_path):
     from kdev.cli import app
 
     base, cand = tmp_path / "base" / "libkdtree.so", tmp_path / "cand" / "libkdtree.so"
-    texts = {base: SASS, cand: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, R9")}
+    texts = {base: SASS, cand: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, RZ")}
     monkeypatch.setattr(sass, "dump", lambda lib: texts[lib])
     runner = CliRunner()
     args = ["sass", "--library", str(cand), "--against", str(base)]
