@@ -460,7 +460,8 @@ def sass_cmd(
     library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
     against: Optional[Path] = typer.Option(None, "--against",
                                            help="A base library (or its build folder): compare the machine code of "
-                                                "each kernel with it instead (same, changed, added, removed)."),
+                                                "each kernel with it instead (same, registers, changed, added, "
+                                                "removed)."),
     expect_same: bool = typer.Option(False, "--expect-same",
                                      help="With --against: exit 1 unless every compared kernel's SASS is identical "
                                           "(other registers count as a difference)."),

@@ -14,7 +14,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-
 def _console(to_stderr: bool) -> Console:
     # A pipe or a file (a log through tee, CI) has no width of its own, and rich would then fold every table at 80
     # columns (a bench row over four lines); there, tables take the width they need up to 200 columns. A terminal,

@@ -17,9 +17,9 @@ GPU run; a variant shows which kernels it really changed before GPU time is spen
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-import difflib
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -271,10 +271,10 @@ def compare(base: list[Function], this: list[Function], kernel: str = "",
             archs: list[str] | None = None) -> list[dict]:
     """One row per (arch, kernel) in either build whose readable name contains `kernel`: status same (identical
     instructions), registers (identical but for register numbers: ptxas allocated them differently; the numbers are
-    not checked against each other, so this says "look at the allocation", not "the same program"), changed, added (only in this build) or removed (only in the base); instruction counts, the
-    number of instructions that differ, and the sizes of the loops that issue HMMA in each. A kernel added under a
-    new name whose code is a removed kernel's (a template argument added, a kernel renamed) names it in `code_of`,
-    with how alike they are in `code_likeness`."""
+    not checked against each other, so this says "look at the allocation", not "the same program"), changed, added
+    (only in this build) or removed (only in the base); instruction counts, the number of instructions that differ,
+    and the sizes of the loops that issue HMMA in each. A kernel added under a new name whose code is a removed
+    kernel's (a template argument added, a kernel renamed) names it in `code_of`, how alike in `code_likeness`."""
     old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
     if not old and not new:
         have = sorted(set(demangle(sorted({f.name for f in base + this})).values()))
