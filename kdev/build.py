@@ -5,12 +5,14 @@ every arch and PTX for the newest. The cache key is the hash of the kernel sourc
 and the nvcc version: when it matches the last build's, nothing is compiled. Provenance (git sha and dirty
 flag, source hash, nvcc version, archs, flags) is embedded through a generated source file that defines
 kdtree_build_info(). The `-Xptxas -v` report becomes a table per kernel and arch; a spill, or static shared
-memory above the arch's limit, fails the build unless build.yaml allows it. cuobjdump confirms which
-archs the library really carries.
+memory above the arch's limit, fails the build unless build.yaml allows it. Beside it, what the flash calls launch
+on each arch and the dynamic shared memory per block that takes (asked of the library: the launcher's own rule),
+gated on the same limits. cuobjdump confirms which archs the library really carries.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime as _dt
 import hashlib
 import json
@@ -197,6 +199,42 @@ def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
     return res
 
 
+def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
+    """What the flash calls launch on each arch of cfg and the dynamic shared memory per block it takes (which the
+    ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan, the
+    launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel pair, with
+    the calls that take it. None for a library from sources without that entry point."""
+    L = ctypes.CDLL(str(lib))
+    plan = getattr(L, "kdtree_flash_launch_plan", None)
+    if plan is None:
+        return None
+    plan.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_char_p)] * 2 + [ctypes.POINTER(ctypes.c_int)]
+    plan.restype = ctypes.c_int
+    L.kdtree_last_error.restype = ctypes.c_char_p
+    rows: dict[tuple, dict] = {}
+    for arch in cfg.archs:
+        major, limit = int(arch[3:].rstrip("a")) // 10, cfg.smem_limit_bytes.get(arch.rstrip("a"))
+        if limit is None or major < 8:  # no opt-in limit to ask with, or an arch without the flash kernels
+            continue
+        for portable in (False, True):
+            for tensor_copy in ((True, False) if major >= 9 else (False,)):
+                full, narrow, smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
+                if plan(major, limit, tensor_copy, portable, ctypes.byref(full), ctypes.byref(narrow),
+                        ctypes.byref(smem)) != 0:
+                    raise CheckFailed(f"kdtree_flash_launch_plan({arch}): {L.kdtree_last_error().decode()}")
+                key = (arch, full.value.decode(), narrow.value.decode())
+                row = rows.setdefault(key, {"arch": arch, "kernels": list(key[1:]), "dynamic_smem": smem.value,
+                                            "limit": limit, "calls": []})
+                row["calls"].append(("flash-portable" if portable else "flash")
+                                    + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
+    return list(rows.values())
+
+
+def launch_problems(rows: list[dict]) -> list[str]:
+    return [f"{' + '.join(r['kernels'])} [{r['arch']}]: {r['dynamic_smem']} B dynamic shared memory per block > "
+            f"{r['limit']} B limit" for r in rows if r["dynamic_smem"] > r["limit"]]
+
+
 @dataclass
 class BuildResult:
     library: Path
@@ -208,6 +246,8 @@ class BuildResult:
     embedded: dict = field(default_factory=dict)
     problems: list = field(default_factory=list)
     seconds: float = 0.0
+    # the flash calls' kernels and dynamic shared memory per arch (flash_launches); None: the sources predate it
+    launches: list | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -283,9 +323,10 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     record = folder / "build.json"
     if not force and lib.is_file() and record.is_file():
         old = json.loads(record.read_text())
-        if old.get("key") == key:
+        if old.get("key") == key and "launches" in old:  # (a record from before the launch table: rebuilt)
             res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
-                              resources=old["resources"], embedded=old["embedded"], problems=old["problems"])
+                              resources=old["resources"], embedded=old["embedded"], problems=old["problems"],
+                              launches=old["launches"])
             if not res.problems and not variant:
                 _write_latest(cfg, res)
             return res
@@ -319,6 +360,9 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         for e in errors:
             log(e)
         raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); first: {errors[0] if errors else '?'}")
+    # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
+    # would get that one back from the loader
+    launches = flash_launches(tmp_lib, cfg)
     os.replace(tmp_lib, lib)
     rows = parse_ptxas(text)
     names = demangle(sorted({r.kernel for r in rows}))
@@ -326,13 +370,13 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         r.kernel = names.get(r.kernel, r.kernel)
     rows.sort(key=lambda r: (r.kernel, int(r.arch[3:].rstrip("a"))))
     embedded = embedded_archs(lib, find_cuobjdump(nvcc))
-    problems = resource_problems(rows, cfg)
+    problems = resource_problems(rows, cfg) + launch_problems(launches or [])
     if embedded["sass"] is not None:
         missing = [a for a in cfg.archs if a not in embedded["sass"]]
         problems += [f"{a}: no SASS embedded in {lib.name}" for a in missing]
     res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info,
                       resources=[asdict(r) for r in rows], embedded=embedded, problems=problems,
-                      seconds=round(time.time() - t0, 1))
+                      seconds=round(time.time() - t0, 1), launches=launches)
     atomic_write_bytes(record, json.dumps({k: v for k, v in res.to_dict().items()
                                            if k not in ("library", "folder", "cached", "seconds")},
                                           indent=2).encode())

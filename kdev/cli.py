@@ -150,6 +150,15 @@ def build_cmd(
         report.show(report.table(f"ptxas resources ({res.folder.name})",
                                  ["kernel", "arch", "regs", "spill st", "spill ld", "stack", "smem"], rows,
                                  {"left": ("kernel", "arch")}))
+        if res.launches is None:
+            report.warn("this library's sources have no kdtree_flash_launch_plan: the flash kernels' dynamic "
+                        "shared memory is not reported")
+        elif res.launches:
+            report.show(report.table(
+                "flash calls: kernels launched and dynamic shared memory per block (set at launch: not in ptxas)",
+                ["arch", "kernels", "taken by", "dynamic smem", "limit"],
+                [[r["arch"], "\n".join(r["kernels"]), "\n".join(r["calls"]), r["dynamic_smem"], r["limit"]]
+                 for r in res.launches], {"left": ("arch", "kernels", "taken by")}))
         emb = res.embedded
         if emb.get("sass") is None:
             report.warn("cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')")

@@ -190,6 +190,24 @@ int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t st
   return verify_attn_flash(p, true, stream);
 }
 
+// What the flash call (portable = 0) or the portable call launches on a GPU of compute capability `major` whose
+// blocks may hold `smem_optin` bytes of shared memory, for full tiles by tensor copy (tensor_copy = 1: sm_90+, pages
+// of >= 32 tokens) or by cp.async: the two kernels' names and their dynamic shared memory per block. Needs no GPU:
+// `kdev build` reports it per arch beside the ptxas table and gates on it.
+int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
+                             const char** narrow_kernel, int* smem_bytes) {
+  g_last_error[0] = '\0';
+  if (full_kernel == nullptr || narrow_kernel == nullptr || smem_bytes == nullptr)
+    return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
+  if (major < 8) return fail(KDTREE_ERR_INVALID, "compute capability major %d: the flash kernels need sm_80+", major);
+  if (tensor_copy && major < 9) return fail(KDTREE_ERR_INVALID, "tensor copies need sm_90+, not major %d", major);
+  const kdtree::FlashKernels k = kdtree::flash_kernels(major, smem_optin, tensor_copy != 0, portable != 0);
+  *full_kernel = k.full;
+  *narrow_kernel = k.narrow;
+  *smem_bytes = k.smem_bytes;
+  return KDTREE_OK;
+}
+
 // ------------------------------------------------------------------------------------------ DDTree kernels
 int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';

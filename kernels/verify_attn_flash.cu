@@ -1201,6 +1201,17 @@ static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, boo
                        kGroups * kCombineColumnThreads, 0, programmatic, stream, p, num_splits);
 }
 
+FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable) {
+  // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md) unless the call is portable,
+  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body.
+  const bool teams = tensor_copy && !portable && major < 12 && smem_optin >= kTeamsSmemBytes;
+  if (teams)
+    return {true, kTeamsSmemBytes, "verify_attn_flash_teams_kernel", "verify_attn_flash_narrow_kernel<true, true>"};
+  if (tensor_copy)
+    return {false, kSmemBytes, "verify_attn_flash_kernel<true>", "verify_attn_flash_narrow_kernel<true, false>"};
+  return {false, kSmemBytes, "verify_attn_flash_kernel<false>", "verify_attn_flash_narrow_kernel<false, false>"};
+}
+
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
                                      cudaStream_t stream) {
   int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
@@ -1212,11 +1223,10 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   if (err != cudaSuccess) return err;
   const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
-  // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md) unless the call is portable,
-  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body.
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
-  const bool teams = tensor_copy && !portable && major < 12 && smem_optin >= kTeamsSmemBytes;
-  const int smem_bytes = teams ? kTeamsSmemBytes : kSmemBytes;
+  const FlashKernels choice = flash_kernels(major, smem_optin, tensor_copy, portable);
+  const bool teams = choice.teams;
+  const int smem_bytes = choice.smem_bytes;
   const auto kernel = teams ? verify_attn_flash_teams_kernel
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);

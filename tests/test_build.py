@@ -3,6 +3,7 @@
 import ctypes
 import json
 import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -40,6 +41,61 @@ def test_builds_both_archs_with_clean_resource_report(both_archs):
         assert res.embedded["sass"] == ["sm_90", "sm_120"] and res.embedded["ptx"] == ["sm_120"]
     latest = json.loads((cfg.output_dir / "latest.json").read_text())
     assert latest["library"] == str(res.library)
+
+
+@needs_nvcc
+def test_launch_table_names_the_kernels_each_call_takes_and_their_dynamic_shared_memory(both_archs):
+    cfg, res = both_archs
+    by = {(r["arch"], c): r for r in res.launches for c in r["calls"]}
+    teams = by[("sm_90", "flash (pages >= 32)")]
+    assert teams["kernels"] == ["verify_attn_flash_teams_kernel", "verify_attn_flash_narrow_kernel<true, true>"]
+    assert 101376 < teams["dynamic_smem"] <= teams["limit"] == 232448
+    # the sm_120 path: the lockstep kernels within 101,376 B, whichever call; the portable call takes it on sm_90 too
+    for arch in ("sm_90", "sm_120"):
+        lockstep = by[(arch, "flash-portable (pages >= 32)")]
+        assert lockstep["kernels"] == ["verify_attn_flash_kernel<true>", "verify_attn_flash_narrow_kernel<true, false>"]
+        assert lockstep["dynamic_smem"] <= 101376
+        assert by[(arch, "flash-portable (pages < 32)")]["kernels"][0] == "verify_attn_flash_kernel<false>"
+    assert by[("sm_120", "flash (pages >= 32)")] is by[("sm_120", "flash-portable (pages >= 32)")]
+    # the names the library gives are the kernels' names in the ptxas report (the launcher's rule and the kernels agree)
+    built = {(r["kernel"], r["arch"]) for r in res.resources}
+    assert all((k, r["arch"]) in built for r in res.launches for k in r["kernels"])
+    # and they are stored with the build: a cache hit reports the same
+    again = kbuild.build(cfg)
+    assert again.cached and again.launches == res.launches
+
+
+@needs_nvcc
+def test_launch_plan_entry_point_refuses_what_no_gpu_runs(both_archs):
+    _, res = both_archs
+    lib = ctypes.CDLL(str(res.library))
+    lib.kdtree_last_error.restype = ctypes.c_char_p
+    full, narrow, smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
+    args = (ctypes.byref(full), ctypes.byref(narrow), ctypes.byref(smem))
+    assert lib.kdtree_flash_launch_plan(8, 166912, 1, 0, *args) == 1
+    assert b"tensor copies need sm_90+" in lib.kdtree_last_error()
+    assert lib.kdtree_flash_launch_plan(7, 65536, 0, 0, *args) == 1
+    assert lib.kdtree_flash_launch_plan(9, 232448, 1, 0, None, *args[1:]) == 1
+    # a GPU whose blocks cannot hold the teams' ring gets the lockstep kernels even on sm_90
+    assert lib.kdtree_flash_launch_plan(9, 101376, 1, 0, *args) == 0 and full.value == b"verify_attn_flash_kernel<true>"
+
+
+def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "old.c"
+    src.write_text('const char* kdtree_last_error(void) { return ""; }\n')
+    lib = tmp_path / "libold.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    assert kbuild.flash_launches(lib, config.load_build()) is None
+
+
+def test_launch_gate_names_kernel_arch_and_limit():
+    rows = [{"arch": "sm_120", "kernels": ["a", "b"], "dynamic_smem": 110592, "limit": 101376, "calls": ["flash"]},
+            {"arch": "sm_90", "kernels": ["c", "d"], "dynamic_smem": 91136, "limit": 232448, "calls": ["flash"]}]
+    assert kbuild.launch_problems(rows) == [
+        "a + b [sm_120]: 110592 B dynamic shared memory per block > 101376 B limit"]
 
 
 @needs_nvcc
