@@ -200,15 +200,16 @@ def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
 
 
 def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
-    """What the flash calls launch on each arch of cfg and the dynamic shared memory per block it takes (which the
-    ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan, the
-    launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel pair, with
-    the calls that take it. None for a library from sources without that entry point."""
+    """What the flash calls launch on each arch of cfg and the dynamic shared memory per block each kernel takes
+    (which the ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan,
+    the launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel, with the
+    calls that launch it. None for a library from sources without that entry point."""
     L = ctypes.CDLL(str(lib))
     plan = getattr(L, "kdtree_flash_launch_plan", None)
     if plan is None:
         return None
-    plan.argtypes = [ctypes.c_int] * 4 + [ctypes.POINTER(ctypes.c_char_p)] * 2 + [ctypes.POINTER(ctypes.c_int)]
+    name, size = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int)
+    plan.argtypes = [ctypes.c_int] * 4 + [name, size, name, size]
     plan.restype = ctypes.c_int
     L.kdtree_last_error.restype = ctypes.c_char_p
     rows: dict[tuple, dict] = {}
@@ -218,21 +219,23 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
             continue
         for portable in (False, True):
             for tensor_copy in ((True, False) if major >= 9 else (False,)):
-                full, narrow, smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
-                if plan(major, limit, tensor_copy, portable, ctypes.byref(full), ctypes.byref(narrow),
-                        ctypes.byref(smem)) != 0:
+                full, full_smem, narrow, narrow_smem = (ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(),
+                                                        ctypes.c_int())
+                if plan(major, limit, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
+                        ctypes.byref(narrow), ctypes.byref(narrow_smem)) != 0:
                     raise CheckFailed(f"kdtree_flash_launch_plan({arch}): {L.kdtree_last_error().decode()}")
-                key = (arch, full.value.decode(), narrow.value.decode())
-                row = rows.setdefault(key, {"arch": arch, "kernels": list(key[1:]), "dynamic_smem": smem.value,
-                                            "limit": limit, "calls": []})
-                row["calls"].append(("flash-portable" if portable else "flash")
-                                    + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
+                call = (("flash-portable" if portable else "flash")
+                        + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
+                for kernel, smem in ((full.value.decode(), full_smem.value), (narrow.value.decode(), narrow_smem.value)):
+                    row = rows.setdefault((arch, kernel), {"arch": arch, "kernel": kernel, "dynamic_smem": smem,
+                                                           "limit": limit, "calls": []})
+                    row["calls"].append(call)
     return list(rows.values())
 
 
 def launch_problems(rows: list[dict]) -> list[str]:
-    return [f"{' + '.join(r['kernels'])} [{r['arch']}]: {r['dynamic_smem']} B dynamic shared memory per block > "
-            f"{r['limit']} B limit" for r in rows if r["dynamic_smem"] > r["limit"]]
+    return [f"{r['kernel']} [{r['arch']}]: {r['dynamic_smem']} B dynamic shared memory per block > {r['limit']} B "
+            f"limit" for r in rows if r["dynamic_smem"] > r["limit"]]
 
 
 @dataclass

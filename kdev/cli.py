@@ -156,9 +156,9 @@ def build_cmd(
         elif res.launches:
             report.show(report.table(
                 "flash calls: kernels launched and dynamic shared memory per block (set at launch: not in ptxas)",
-                ["arch", "kernels", "taken by", "dynamic smem", "limit"],
-                [[r["arch"], "\n".join(r["kernels"]), "\n".join(r["calls"]), r["dynamic_smem"], r["limit"]]
-                 for r in res.launches], {"left": ("arch", "kernels", "taken by")}))
+                ["kernel", "arch", "launched by", "dynamic smem", "limit"],
+                [[r["kernel"], r["arch"], ", ".join(r["calls"]), r["dynamic_smem"], r["limit"]] for r in res.launches],
+                {"left": ("kernel", "arch", "launched by")}))
         emb = res.embedded
         if emb.get("sass") is None:
             report.warn("cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')")

@@ -192,19 +192,20 @@ int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t st
 
 // What the flash call (portable = 0) or the portable call launches on a GPU of compute capability `major` whose
 // blocks may hold `smem_optin` bytes of shared memory, for full tiles by tensor copy (tensor_copy = 1: sm_90+, pages
-// of >= 32 tokens) or by cp.async: the two kernels' names and their dynamic shared memory per block. Needs no GPU:
-// `kdev build` reports it per arch beside the ptxas table and gates on it.
+// of >= 32 tokens) or by cp.async: the full-tile and the narrow kernel, by name, and the dynamic shared memory per
+// block of each. Needs no GPU: `kdev build` reports it per arch beside the ptxas table and gates on it.
 int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
-                             const char** narrow_kernel, int* smem_bytes) {
+                             int* full_smem, const char** narrow_kernel, int* narrow_smem) {
   g_last_error[0] = '\0';
-  if (full_kernel == nullptr || narrow_kernel == nullptr || smem_bytes == nullptr)
+  if (full_kernel == nullptr || full_smem == nullptr || narrow_kernel == nullptr || narrow_smem == nullptr)
     return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
   if (major < 8) return fail(KDTREE_ERR_INVALID, "compute capability major %d: the flash kernels need sm_80+", major);
   if (tensor_copy && major < 9) return fail(KDTREE_ERR_INVALID, "tensor copies need sm_90+, not major %d", major);
   const kdtree::FlashKernels k = kdtree::flash_kernels(major, smem_optin, tensor_copy != 0, portable != 0);
   *full_kernel = k.full;
+  *full_smem = k.full_smem;
   *narrow_kernel = k.narrow;
-  *smem_bytes = k.smem_bytes;
+  *narrow_smem = k.narrow_smem;
   return KDTREE_OK;
 }
 

@@ -164,10 +164,10 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[kKSteps][4], con
   }
 }
 
-// S partial of a warp's 16 rows over its dim half c: sacc[nt] (tokens 8nt + [0, 8) of the 32-token tile in the KV buffer
-// at kbuf) += Q[16 rows, the k-steps 2j + c] . K^T, in four independent accumulator chains (measured the same speed as
-// two passes of two, NOTES.md). k_lane_off: the lane's ldmatrix row offset in a box for the even k-steps (the odd ones'
-// is it with bit 6 flipped: see the kernels).
+// S partial of a warp's 16 rows over its dim half c: sacc[nt] (tokens 8nt + [0, 8) of the 32-token tile in the KV
+// buffer at kbuf) += Q[16 rows, the k-steps 2j + c] . K^T, in four independent accumulator chains (measured the same
+// speed as two passes of two, NOTES.md). k_lane_off: the lane's ldmatrix row offset in a box for the even k-steps (the
+// odd ones' is it with bit 6 flipped: see the kernels).
 __device__ __forceinline__ void score_half_tile(float (&sacc)[4][4], const uint32_t (&qf)[kKSteps][4], unsigned kbuf,
                                                 unsigned k_lane_off) {
 #pragma unroll
@@ -1203,13 +1203,17 @@ static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, boo
 
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable) {
   // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md) unless the call is portable,
-  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body.
+  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body. The names are those of the
+  // kernels launch_verify_attn_flash picks by the same two flags (teams, tensor_copy).
   const bool teams = tensor_copy && !portable && major < 12 && smem_optin >= kTeamsSmemBytes;
   if (teams)
-    return {true, kTeamsSmemBytes, "verify_attn_flash_teams_kernel", "verify_attn_flash_narrow_kernel<true, true>"};
+    return {true, "verify_attn_flash_teams_kernel", kTeamsSmemBytes, "verify_attn_flash_narrow_kernel<true, true>",
+            kTeamsSmemBytes};
   if (tensor_copy)
-    return {false, kSmemBytes, "verify_attn_flash_kernel<true>", "verify_attn_flash_narrow_kernel<true, false>"};
-  return {false, kSmemBytes, "verify_attn_flash_kernel<false>", "verify_attn_flash_narrow_kernel<false, false>"};
+    return {false, "verify_attn_flash_kernel<true>", kSmemBytes, "verify_attn_flash_narrow_kernel<true, false>",
+            kSmemBytes};
+  return {false, "verify_attn_flash_kernel<false>", kSmemBytes, "verify_attn_flash_narrow_kernel<false, false>",
+          kSmemBytes};
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
@@ -1226,24 +1230,24 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
   const FlashKernels choice = flash_kernels(major, smem_optin, tensor_copy, portable);
   const bool teams = choice.teams;
-  const int smem_bytes = choice.smem_bytes;
   const auto kernel = teams ? verify_attn_flash_teams_kernel
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.full_smem);
   if (err != cudaSuccess) return err;
   const int narrow_elsewhere = plan.narrow_span > 0;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
+  kernel<<<grid, kThreads, choice.full_smem, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (narrow_elsewhere) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave
     const auto narrow = teams ? verify_attn_flash_narrow_kernel<true, true>
                               : (tensor_copy ? verify_attn_flash_narrow_kernel<true, false>
                                              : verify_attn_flash_narrow_kernel<false, false>);
-    err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.narrow_smem);
     if (err != cudaSuccess) return err;
     const dim3 narrow_grid((plan.num_splits + plan.narrow_span - 1) / plan.narrow_span, p.batch);
-    err = launch_behind(narrow, narrow_grid, kThreads, smem_bytes, sm90, stream, p, plan.num_splits, plan.narrow_span,
+    err = launch_behind(narrow, narrow_grid, kThreads, choice.narrow_smem, sm90, stream, p, plan.num_splits,
+                        plan.narrow_span,
                         kv_map);
     if (err != cudaSuccess) return err;
   }

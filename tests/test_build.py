@@ -46,20 +46,26 @@ def test_builds_both_archs_with_clean_resource_report(both_archs):
 @needs_nvcc
 def test_launch_table_names_the_kernels_each_call_takes_and_their_dynamic_shared_memory(both_archs):
     cfg, res = both_archs
-    by = {(r["arch"], c): r for r in res.launches for c in r["calls"]}
-    teams = by[("sm_90", "flash (pages >= 32)")]
-    assert teams["kernels"] == ["verify_attn_flash_teams_kernel", "verify_attn_flash_narrow_kernel<true, true>"]
+    by = {(r["arch"], r["kernel"]): r for r in res.launches}
+    calls = {(r["arch"], c): set() for r in res.launches for c in r["calls"]}
+    for r in res.launches:
+        for c in r["calls"]:
+            calls[(r["arch"], c)].add(r["kernel"])
+    # sm_90's flash call with pages of >= 32 tokens: the teams kernels, over sm_120's 101,376 B
+    assert calls[("sm_90", "flash (pages >= 32)")] == {"verify_attn_flash_teams_kernel",
+                                                       "verify_attn_flash_narrow_kernel<true, true>"}
+    teams = by[("sm_90", "verify_attn_flash_teams_kernel")]
     assert 101376 < teams["dynamic_smem"] <= teams["limit"] == 232448
     # the sm_120 path: the lockstep kernels within 101,376 B, whichever call; the portable call takes it on sm_90 too
+    lockstep = {"verify_attn_flash_kernel<true>", "verify_attn_flash_narrow_kernel<true, false>"}
     for arch in ("sm_90", "sm_120"):
-        lockstep = by[(arch, "flash-portable (pages >= 32)")]
-        assert lockstep["kernels"] == ["verify_attn_flash_kernel<true>", "verify_attn_flash_narrow_kernel<true, false>"]
-        assert lockstep["dynamic_smem"] <= 101376
-        assert by[(arch, "flash-portable (pages < 32)")]["kernels"][0] == "verify_attn_flash_kernel<false>"
-    assert by[("sm_120", "flash (pages >= 32)")] is by[("sm_120", "flash-portable (pages >= 32)")]
+        assert calls[(arch, "flash-portable (pages >= 32)")] == lockstep
+        assert all(by[(arch, k)]["dynamic_smem"] <= 101376 for k in lockstep)
+        assert "verify_attn_flash_kernel<false>" in calls[(arch, "flash-portable (pages < 32)")]
+    assert calls[("sm_120", "flash (pages >= 32)")] == lockstep
     # the names the library gives are the kernels' names in the ptxas report (the launcher's rule and the kernels agree)
     built = {(r["kernel"], r["arch"]) for r in res.resources}
-    assert all((k, r["arch"]) in built for r in res.launches for k in r["kernels"])
+    assert all((r["kernel"], r["arch"]) in built for r in res.launches)
     # and they are stored with the build: a cache hit reports the same
     again = kbuild.build(cfg)
     assert again.cached and again.launches == res.launches
@@ -70,14 +76,15 @@ def test_launch_plan_entry_point_refuses_what_no_gpu_runs(both_archs):
     _, res = both_archs
     lib = ctypes.CDLL(str(res.library))
     lib.kdtree_last_error.restype = ctypes.c_char_p
-    full, narrow, smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int()
-    args = (ctypes.byref(full), ctypes.byref(narrow), ctypes.byref(smem))
+    full, narrow, full_smem, narrow_smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int()
+    args = (ctypes.byref(full), ctypes.byref(full_smem), ctypes.byref(narrow), ctypes.byref(narrow_smem))
     assert lib.kdtree_flash_launch_plan(8, 166912, 1, 0, *args) == 1
     assert b"tensor copies need sm_90+" in lib.kdtree_last_error()
     assert lib.kdtree_flash_launch_plan(7, 65536, 0, 0, *args) == 1
     assert lib.kdtree_flash_launch_plan(9, 232448, 1, 0, None, *args[1:]) == 1
     # a GPU whose blocks cannot hold the teams' ring gets the lockstep kernels even on sm_90
     assert lib.kdtree_flash_launch_plan(9, 101376, 1, 0, *args) == 0 and full.value == b"verify_attn_flash_kernel<true>"
+    assert full_smem.value == narrow_smem.value <= 101376
 
 
 def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
@@ -92,10 +99,9 @@ def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
 
 
 def test_launch_gate_names_kernel_arch_and_limit():
-    rows = [{"arch": "sm_120", "kernels": ["a", "b"], "dynamic_smem": 110592, "limit": 101376, "calls": ["flash"]},
-            {"arch": "sm_90", "kernels": ["c", "d"], "dynamic_smem": 91136, "limit": 232448, "calls": ["flash"]}]
-    assert kbuild.launch_problems(rows) == [
-        "a + b [sm_120]: 110592 B dynamic shared memory per block > 101376 B limit"]
+    rows = [{"arch": "sm_120", "kernel": "a", "dynamic_smem": 110592, "limit": 101376, "calls": ["flash"]},
+            {"arch": "sm_90", "kernel": "b", "dynamic_smem": 91136, "limit": 232448, "calls": ["flash"]}]
+    assert kbuild.launch_problems(rows) == ["a [sm_120]: 110592 B dynamic shared memory per block > 101376 B limit"]
 
 
 @needs_nvcc

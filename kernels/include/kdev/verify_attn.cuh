@@ -72,12 +72,14 @@ struct FlashPlan {
 FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count);
 // Which kernels a flash call launches and the dynamic shared memory per block they take, on a GPU of compute
 // capability `major` whose blocks may hold `smem_optin` bytes: full tiles by tensor copy (sm_90+, pages of >= 32
-// tokens) or by cp.async, the flash or the portable call. The launcher decides by it; kdtree_flash_launch_plan reports it.
+// tokens) or by cp.async, the flash or the portable call. The launcher decides by it; kdtree_flash_launch_plan reports
+// it.
 struct FlashKernels {
   bool teams;          // the teams kernels (a four-deep ring: sm_90 to sm_11x), else the lockstep ones
-  int smem_bytes;      // dynamic shared memory per block of both kernels
   const char* full;    // the full-tile kernel, as `kdev build` names kernels
+  int full_smem;       // its dynamic shared memory per block
   const char* narrow;  // the narrow kernel (a request's last row tile of <= 16 rows)
+  int narrow_smem;
 };
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable);
 // portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU.
