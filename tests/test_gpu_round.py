@@ -99,6 +99,16 @@ def test_variant_patch_that_is_missing_or_does_not_apply_is_refused(tmp_path):
     assert not (tmp_path / "out" / "round.log").exists()
 
 
+def test_the_timeline_probe_patch_applies_to_the_working_tree(tmp_path):
+    """--timeline builds the working tree's kernels with this patch: a kernel change that breaks it shows here, not in
+    a GPU round."""
+    patch = Path(__file__).resolve().parents[1] / "variants" / "flash-v24-probe-timeline.patch"
+    r = subprocess.run(["bash", str(TREE_SCRIPT), str(patch), str(tmp_path / "trees")], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "kdtree_cta_probe_read" in (Path(r.stdout.strip()) / "verify_attn_flash.cu").read_text()
+
+
 NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
               '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
