@@ -204,7 +204,10 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
     (which the ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan,
     the launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel, with the
     calls that launch it. None for a library from sources without that entry point."""
-    L = ctypes.CDLL(str(lib))
+    try:
+        L = ctypes.CDLL(str(lib))
+    except OSError as e:  # what verify and bench would meet too: the build is not usable
+        raise CheckFailed(f"the built library does not load: {e}") from None
     plan = getattr(L, "kdtree_flash_launch_plan", None)
     if plan is None:
         return None

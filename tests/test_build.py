@@ -96,6 +96,9 @@ def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
     lib = tmp_path / "libold.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     assert kbuild.flash_launches(lib, config.load_build()) is None
+    (tmp_path / "broken.so").write_bytes(b"not a library")
+    with pytest.raises(CheckFailed, match="does not load"):
+        kbuild.flash_launches(tmp_path / "broken.so", config.load_build())
 
 
 def test_launch_gate_names_kernel_arch_and_limit():
