@@ -368,7 +368,11 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); first: {errors[0] if errors else '?'}")
     # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
     # would get that one back from the loader
-    launches = flash_launches(tmp_lib, cfg)
+    try:
+        launches = flash_launches(tmp_lib, cfg)
+    except CheckFailed:
+        Path(tmp_lib).unlink(missing_ok=True)
+        raise
     os.replace(tmp_lib, lib)
     rows = parse_ptxas(text)
     names = demangle(sorted({r.kernel for r in rows}))
