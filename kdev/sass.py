@@ -180,18 +180,17 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
 
 def report(functions: list[Function], kernel: str, archs: list[str] | None = None) -> list[dict]:
     """One row per (arch, kernel, HMMA loop) of the functions whose readable name contains `kernel`."""
-    names = demangle(sorted({f.name for f in functions}))
-    picked = [f for f in functions if kernel in names[f.name] and (not archs or f.arch in archs)]
+    picked = _by_kernel(functions, kernel, archs)
     if not picked:
-        have = sorted({names[f.name] for f in functions})
+        have = sorted(set(demangle(sorted({f.name for f in functions})).values()))
         raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
                        + f"; the library has: {', '.join(have) or 'none'}")
     rows = []
-    for f in picked:
+    for (arch, name), f in picked.items():
         for first, last in loops(f):
             r = loop_report(f, first, last)
             if r["hmma"]:
-                rows.append({"arch": f.arch, "kernel": names[f.name], **r})
+                rows.append({"arch": arch, "kernel": name, **r})
     return rows
 
 

@@ -60,6 +60,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
+VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
@@ -158,11 +159,11 @@ if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
-step verify-smoke python3 -m kdev verify --suite smoke --kernel naive,flash,flash-portable,ddtree,accept,compact --repeat 3 --out-json "$OUT/verify-smoke.json"
+step verify-smoke python3 -m kdev verify --suite smoke --kernel "$VERIFY_KERNELS" --repeat 3 --out-json "$OUT/verify-smoke.json"
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
-      --case ddtree-n16 --case ragged-ddtree --kernel naive,flash,flash-portable,ddtree,accept,compact
+      --case ddtree-n16 --case ragged-ddtree --kernel "$VERIFY_KERNELS"
   done
 fi
 step ceilings python3 -m kdev bench --ceilings
@@ -216,7 +217,7 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
   done
 fi
 # last: the longest step (a killed round keeps everything above)
-step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel naive,flash,flash-portable,ddtree,accept,compact --out-json "$OUT/verify-fuzz.json"
+step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel "$VERIFY_KERNELS" --out-json "$OUT/verify-fuzz.json"
 fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
