@@ -31,15 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _Reader, load_yaml
+from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _Reader, load_gpus, load_yaml
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
 ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "torch-eager", "torch-sdpa")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
-# Ceilings measured on this project's H200 (mma.sync bf16 -> fp32; device-to-device copy, read + write).
-KNOWN_CEILINGS = {"NVIDIA H200": {"flops": 638e12, "bytes_per_s": 3984e9, "source": "measured 2026-12-02"}}
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -452,10 +450,14 @@ def ceilings_path(gpu_id: dict) -> Path:
 
 
 def load_ceilings(gpu_id: dict) -> dict | None:
+    """This GPU's cached ceilings (kdev bench --ceilings), else those configs/gpus.yaml holds as measured on a GPU of
+    this name, else None."""
     p = ceilings_path(gpu_id)
     if p.is_file():
         return json.loads(p.read_text())
-    return KNOWN_CEILINGS.get(gpu_id["name"])
+    known = [g for g in load_gpus().values() if g.name == gpu_id["name"] and g.ceilings_measured]
+    return {"flops": known[0].flops, "bytes_per_s": known[0].bytes_per_s,
+            "source": known[0].ceilings_source} if known else None
 
 
 def save_ceilings(gpu_id: dict, ceilings: dict) -> Path:

@@ -22,6 +22,9 @@ app = typer.Typer(
 )
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (logs go to stderr).")
+# the shapes of kdev bench and kdev plan: a named sweep (their own --sweep default), or these
+ShapeOpt = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,H=8 (repeatable).")
+AxisOpt = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable).")
 
 
 def command(fn):
@@ -304,8 +307,8 @@ def _loop_row(r: dict) -> list:
 @command
 def bench_cmd(
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default smoke)."),
-    shape: Optional[list[str]] = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,H=8 (repeatable)."),
-    axis: Optional[list[str]] = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable)."),
+    shape: Optional[list[str]] = ShapeOpt,
+    axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
@@ -456,6 +459,62 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
     """--normalize-by needs that backend timed in both runs."""
     if normalize_by and not any(r["backend"] == normalize_by and r.get("timing") for r in results):
         raise BadInput(f"--normalize-by {normalize_by}: no timing of that backend in {where}")
+
+
+# ------------------------------------------------------------------------------------------------- plan
+@app.command("plan")
+@command
+def plan_cmd(
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default targets)."),
+    shape: Optional[list[str]] = ShapeOpt,
+    axis: Optional[list[str]] = AxisOpt,
+    gpu_name: Optional[str] = typer.Option(
+        None, "--gpu", help="A GPU of configs/gpus.yaml (e.g. rtx-pro-6000, h200); default: the GPU here, else the "
+        "deploy target's (configs/deploy.yaml target_arch)."),
+    sms: Optional[int] = typer.Option(None, "--sms", help="Plan for this many SMs instead of the GPU's."),
+    call: str = typer.Option("flash", "--call", help="flash or flash-portable (the kernels within sm_120's 99 KB)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library to ask (default: the last build)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default configs/bench.yaml)."),
+    json_out: bool = JsonOpt,
+):
+    """What the flash call launches at DDTree shapes on a GPU (no GPU needed): kernels, row tiles, KV splits, CTAs
+    and waves, the caller's workspace, and the plan's slot use, row use and KV reads against the roofline floor."""
+    from kdev import bench, build
+    from kdev import plan as kplan
+
+    if call not in kplan.CALLS:
+        raise typer.BadParameter(f"must be one of {', '.join(kplan.CALLS)}", param_hint="--call")
+    shapes = bench.expand(bench.load_bench(config), sweep or (None if shape else "targets"), shape, axis)
+    gpu = kplan.resolve_gpu(gpu_name, sms)
+    path = library or build.latest_library()
+    if path is None:
+        raise EnvironmentMissing("no library built (build/latest.json missing): run 'kdev build'")
+    doc = kplan.plan(kplan.PlanLibrary(Path(path)), shapes, gpu, call)
+    if json_out:
+        report.emit_json(doc)
+        return
+    mib = 2**20
+    rows = []
+    for p in doc["plans"]:
+        tiles = f"{p['row_tiles'] - 1} + {p['narrow_rows']}-row" if p["narrow_kernel"] else str(p["row_tiles"])
+        ctas = f"{p['full_ctas']} + {p['narrow_ctas']}" if p["narrow_kernel"] else str(p["full_ctas"])
+        rows.append([p["shape"], f"{p['full_kernel'].removeprefix('verify_attn_flash_')} {p['full_smem']:,} B", tiles,
+                     f"{p['splits']}" + (f" ({p['narrow_span']}/narrow)" if p["narrow_kernel"] else ""), ctas,
+                     f"{p['waves']} x {gpu.sms * p['ctas_per_sm']}", f"{100 * p['slot_use']:.1f}%",
+                     f"{100 * p['row_use']:.1f}%",
+                     f"{p['kv_read_bytes'] / 1e6:,.0f} MB ({p['kv_read_bytes'] // p['kv_bytes']}x)",
+                     f"{p['workspace_bytes'] / mib:,.1f} MiB" if p["workspace_bytes"] else "-",
+                     f"{p['floor_us']:.1f} {p['bound']}" if p["floor_us"] else "-"])
+    ceil = (f"ceilings {gpu.flops / 1e12:.0f} TFLOP/s, {gpu.bytes_per_s / 1e9:,.0f} GB/s: {gpu.ceilings_source}"
+            if gpu.flops and gpu.bytes_per_s else "no ceilings known")
+    report.show(report.table(
+        f"{call} plan on {gpu.name} ({gpu.arch}, {gpu.sms} SMs; {ceil})",
+        ["shape", "full-tile kernel", "row tiles", "splits", "CTAs", "waves x slots", "slot use", "row use",
+         "KV read by CTAs", "workspace", "floor µs"], rows, {"left": ("shape", "full-tile kernel")}))
+    big = doc["largest_workspace"]
+    if big and big["bytes"]:
+        report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "
+                    f"({big['bytes']:,} B, at {big['shape']})")
 
 
 # ------------------------------------------------------------------------------------------------- sass

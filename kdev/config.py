@@ -353,3 +353,52 @@ def load_build(path: str | Path | None = None, archs: list[str] | None = None) -
     return BuildConfig(archs=tuple(dict.fromkeys(cfg_archs)), flags=tuple(flags),
                        output_dir=out if out.is_absolute() else REPO_ROOT / out, allow_spills=allow_spills,
                        smem_limit_bytes=limits, path=path)
+
+
+# ------------------------------------------------------------------------------------------------ GPUs
+@dataclass(frozen=True)
+class GpuSpec:
+    """What a launch plan depends on, for a GPU that need not be here (configs/gpus.yaml) or the one that is."""
+
+    key: str
+    name: str
+    arch: str
+    sms: int
+    smem_per_block_optin: int
+    smem_per_sm: int
+    threads_per_sm: int
+    registers_per_sm: int
+    flops: float | None = None  # ceilings: bf16 mma.sync FLOP/s and memory bytes/s
+    bytes_per_s: float | None = None
+    ceilings_measured: bool = False
+    ceilings_source: str = ""
+
+    @property
+    def major(self) -> int:
+        return int(self.arch[3:].rstrip("a")) // 10
+
+
+def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
+    path = Path(path) if path else CONFIG_DIR / "gpus.yaml"
+    top = _Reader(load_yaml(path), path, "")
+    gpus = top.sub("gpus")
+    out = {}
+    for key in list(gpus.data):
+        r = gpus.sub(key)
+        arch = r.get("arch", str, check=_arch_ok, check_msg="an arch like sm_90")
+        spec = dict(key=key, name=r.get("name", str), arch=arch, sms=r.positive_int("sms"),
+                    smem_per_block_optin=r.positive_int("smem_per_block_optin"),
+                    smem_per_sm=r.positive_int("smem_per_sm"), threads_per_sm=r.positive_int("threads_per_sm"),
+                    registers_per_sm=r.positive_int("registers_per_sm"))
+        if "ceilings" in r.data:
+            c = r.sub("ceilings")
+            positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
+            spec.update(flops=c.get("tflops", float, **positive) * 1e12,
+                        bytes_per_s=c.get("gbps", float, **positive) * 1e9,
+                        ceilings_measured=c.get("measured", bool), ceilings_source=c.get("source", str, ""))
+            c.done()
+        r.done()
+        out[key] = GpuSpec(**spec)
+    gpus.done()
+    top.done()
+    return out

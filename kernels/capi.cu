@@ -53,6 +53,20 @@ int check_params_struct(const Params* p) {
   return KDTREE_OK;
 }
 
+// The shape bounds of a verify call, which the flash plan depends on (also checked alone by kdtree_flash_plan).
+int validate_shape(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len) {
+  if (batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", batch);
+  if (num_heads < 1 || num_heads > KDTREE_MAX_HEADS)
+    return fail(KDTREE_ERR_INVALID, "num_heads %d outside 1..%d", num_heads, KDTREE_MAX_HEADS);
+  if (max_qlen < 1 || max_qlen > KDTREE_MAX_QLEN)
+    return fail(KDTREE_ERR_INVALID, "max_qlen %d outside 1..%d", max_qlen, KDTREE_MAX_QLEN);
+  if (total_q < batch || total_q < max_qlen || (long long)total_q > (long long)batch * max_qlen)
+    return fail(KDTREE_ERR_INVALID, "total_q %d inconsistent with batch %d and max_qlen %d", total_q, batch, max_qlen);
+  if ((long long)total_q * num_heads > 0x7fffffffLL) return fail(KDTREE_ERR_INVALID, "total_q * num_heads too large");
+  if (max_kv_len < max_qlen) return fail(KDTREE_ERR_INVALID, "max_kv_len %d < max_qlen %d", max_kv_len, max_qlen);
+  return KDTREE_OK;
+}
+
 // Shared by every verify kernel: shapes, limits, pointers, alignment.
 int validate(const VerifyAttnParams* p) {
   if (int st = check_params_struct(p)) return st;
@@ -68,24 +82,13 @@ int validate(const VerifyAttnParams* p) {
     if (!aligned(a.ptr, a.align)) return fail(KDTREE_ERR_INVALID, "%s is not %zu-byte aligned", a.name, a.align);
     if (!is_device_pointer(a.ptr)) return fail(KDTREE_ERR_INVALID, "%s is not device memory", a.name);
   }
-  if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
-  if (p->num_heads < 1 || p->num_heads > KDTREE_MAX_HEADS)
-    return fail(KDTREE_ERR_INVALID, "num_heads %d outside 1..%d", p->num_heads, KDTREE_MAX_HEADS);
-  if (p->max_qlen < 1 || p->max_qlen > KDTREE_MAX_QLEN)
-    return fail(KDTREE_ERR_INVALID, "max_qlen %d outside 1..%d", p->max_qlen, KDTREE_MAX_QLEN);
-  if (p->total_q < p->batch || p->total_q < p->max_qlen || (long long)p->total_q > (long long)p->batch * p->max_qlen)
-    return fail(KDTREE_ERR_INVALID, "total_q %d inconsistent with batch %d and max_qlen %d", p->total_q, p->batch,
-                p->max_qlen);
-  if ((long long)p->total_q * p->num_heads > 0x7fffffffLL)
-    return fail(KDTREE_ERR_INVALID, "total_q * num_heads too large");
+  if (int st = validate_shape(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len)) return st;
   const int need_words = (p->max_qlen + 63) / 64;
   if (p->mask_words < need_words)
     return fail(KDTREE_ERR_INVALID, "mask_words %d < ceil(max_qlen / 64) = %d", p->mask_words, need_words);
   if (p->page_size < 1 || p->page_size > 4096 || (p->page_size & (p->page_size - 1)) != 0)
     return fail(KDTREE_ERR_INVALID, "page_size %d is not a power of two in 1..4096", p->page_size);
   if (p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "num_pages %d < 1", p->num_pages);
-  if (p->max_kv_len < p->max_qlen)
-    return fail(KDTREE_ERR_INVALID, "max_kv_len %d < max_qlen %d", p->max_kv_len, p->max_qlen);
   if (p->max_pages < 1 || (long long)p->max_pages * p->page_size < p->max_kv_len)
     return fail(KDTREE_ERR_INVALID, "max_pages %d x page_size %d cannot hold max_kv_len %d", p->max_pages,
                 p->page_size, p->max_kv_len);
@@ -115,6 +118,10 @@ int current_sm_count(int* sm_count) {
   return KDTREE_OK;
 }
 
+kdtree::FlashPlan flash_plan(const VerifyAttnParams* p, int sm_count) {
+  return kdtree::plan_verify_attn_flash(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len, sm_count);
+}
+
 }  // namespace
 
 extern "C" {
@@ -141,7 +148,7 @@ int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes) 
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = current_sm_count(&sm_count)) return st;
-  *bytes = kdtree::plan_verify_attn_flash(*p, sm_count).workspace_bytes;
+  *bytes = flash_plan(p, sm_count).workspace_bytes;
   return KDTREE_OK;
 }
 
@@ -152,7 +159,7 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = current_sm_count(&sm_count)) return st;
-  *num_splits = kdtree::plan_verify_attn_flash(*p, sm_count).num_splits;
+  *num_splits = flash_plan(p, sm_count).num_splits;
   return KDTREE_OK;
 }
 
@@ -162,7 +169,7 @@ static int verify_attn_flash(const VerifyAttnParams* p, bool portable, cudaStrea
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = current_sm_count(&sm_count)) return st;
-  const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(*p, sm_count);
+  const kdtree::FlashPlan plan = flash_plan(p, sm_count);
   if (plan.workspace_bytes > 0) {
     if (p->workspace == nullptr)
       return fail(KDTREE_ERR_WORKSPACE, "workspace is NULL but %zu bytes are needed (%d KV splits)",
@@ -206,6 +213,32 @@ int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int por
   *full_smem = k.full_smem;
   *narrow_kernel = k.narrow;
   *narrow_smem = k.narrow_smem;
+  return KDTREE_OK;
+}
+
+// The flash call's plan for a launch's shape bounds (batch, total_q, num_heads, max_qlen, max_kv_len: as in
+// VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
+// launch it there: row tiles per request, KV splits, the splits one narrow CTA covers (0: no narrow kernel), the
+// combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
+int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
+                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_span, int* combine_groups,
+                      size_t* workspace_bytes) {
+  g_last_error[0] = '\0';
+  if (num_m_tiles == nullptr || num_splits == nullptr || narrow_span == nullptr || combine_groups == nullptr ||
+      workspace_bytes == nullptr)
+    return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
+  if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
+  if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
+  if (threads_per_sm < 256) return fail(KDTREE_ERR_INVALID, "threads_per_sm %d < 256 (one flash CTA)", threads_per_sm);
+  const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(batch, total_q, num_heads, max_qlen, max_kv_len,
+                                                                sm_count);
+  *num_m_tiles = plan.num_m_tiles;
+  *num_splits = plan.num_splits;
+  *narrow_span = plan.narrow_span;
+  *combine_groups = plan.num_splits > 1 ? kdtree::flash_combine_groups((long)total_q * num_heads, plan.num_splits,
+                                                                       sm_count, threads_per_sm)
+                                        : 0;
+  *workspace_bytes = plan.workspace_bytes;
   return KDTREE_OK;
 }
 

@@ -1156,16 +1156,25 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
 
 }  // namespace
 
-FlashPlan plan_verify_attn_flash(const VerifyAttnParams& p, int sm_count) {
-  const FlashSplitPlan split = plan_flash_splits(p.batch, p.max_qlen, p.num_heads, p.max_kv_len, sm_count);
+FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count) {
+  const FlashSplitPlan split = plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count);
   FlashPlan plan{};
   plan.num_m_tiles = split.num_m_tiles;
   plan.num_splits = split.num_splits;
   plan.narrow_span = split.narrow_span;
   const int splits = split.num_splits;
-  plan.workspace_bytes =
-      splits > 1 ? (size_t)splits * p.total_q * p.num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
+  plan.workspace_bytes = splits > 1 ? (size_t)splits * total_q * num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
   return plan;
+}
+
+// Groups of splits per row: as few as fill the GPU's threads (1, 2 or 4, at most the split count). Few rows (T x H
+// small) need the groups to have loads enough in flight; with many rows, groups only add the shared-memory sum and its
+// barrier (measured: NOTES.md, flash v13).
+int flash_combine_groups(long rows, int num_splits, int sms, int threads_per_sm) {
+  const long want = (long)sms * threads_per_sm;
+  int groups = 1;
+  while (groups < 4 && 2 * groups <= num_splits && rows * kCombineColumnThreads * groups < want) groups *= 2;
+  return groups;
 }
 
 // The KV pool for the tensor-copy path: num_pages * page_size rows of 576 bf16, 1,152 B apart, read with the 128-byte
@@ -1252,12 +1261,7 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
     if (err != cudaSuccess) return err;
   }
   if (plan.num_splits == 1) return cudaSuccess;
-  // Groups of splits per row: as few as fill the GPU's threads (1, 2 or 4, at most the split count). Few rows
-  // (T x H small) need the groups to have loads enough in flight; with many rows, groups only add the
-  // shared-memory sum and its barrier (measured: NOTES.md, flash v13).
-  const long rows = (long)p.total_q * p.num_heads, want = (long)sms * threads_per_sm;
-  int groups = 1;
-  while (groups < 4 && 2 * groups <= plan.num_splits && rows * kCombineColumnThreads * groups < want) groups *= 2;
+  const int groups = flash_combine_groups((long)p.total_q * p.num_heads, plan.num_splits, sms, threads_per_sm);
   err = groups == 4   ? launch_combine<4>(p, plan.num_splits, sm90, stream)
         : groups == 2 ? launch_combine<2>(p, plan.num_splits, sm90, stream)
                       : launch_combine<1>(p, plan.num_splits, sm90, stream);

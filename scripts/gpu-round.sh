@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
 # (kdev sass, into round.log), the GPU tests, kdev verify on the smoke suite and a fuzz run, and a short
-# bench. Results go under $OUT (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
+# bench beside the launch plan of its shapes on this GPU (kdev plan, into round.log). Results go under $OUT
+# (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
@@ -168,6 +169,9 @@ if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
 fi
 step ceilings python3 -m kdev bench --ceilings
 for sw in ${SWEEP//,/ }; do
+  # what the flash call launches at each shape on this GPU (splits, CTAs, waves, workspace), beside its timings;
+  # informational like the sass table
+  { echo "=== plan: python3 -m kdev plan --sweep $sw"; python3 -m kdev plan --sweep "$sw" 2>&1; } | tee -a "$LOG" | tail -n 14
   step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
     ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${BASELINE:+${NORMALIZE:+--normalize-by "$NORMALIZE"}}
 done

@@ -57,6 +57,18 @@ def sm90_library(tmp_path_factory):
     return kbuild.build(cfg).library
 
 
+@pytest.fixture(scope="session")
+def both_archs(tmp_path_factory):
+    """(BuildConfig, BuildResult) of a build of configs/build.yaml's flags for sm_90 and sm_120 from the current
+    sources into a temporary folder (needs nvcc)."""
+    if not HAVE_NVCC:
+        pytest.skip("nvcc not found")
+    c = kconfig.load_build(None, ["sm_90", "sm_120"])
+    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("b") / "build", False, c.smem_limit_bytes,
+                              c.path)
+    return cfg, kbuild.build(cfg)
+
+
 @pytest.fixture
 def write_yaml(tmp_path):
     def write(name: str, text: str) -> Path:

@@ -16,14 +16,6 @@ from kdev.errors import CheckFailed, EnvironmentMissing
 needs_nvcc = pytest.mark.nvcc
 
 
-@pytest.fixture(scope="module")
-def both_archs(tmp_path_factory):
-    c = config.load_build(None, ["sm_90", "sm_120"])
-    cfg = config.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("b") / "build", False, c.smem_limit_bytes,
-                             c.path)
-    return cfg, kbuild.build(cfg)
-
-
 @needs_nvcc
 def test_builds_both_archs_with_clean_resource_report(both_archs):
     cfg, res = both_archs

@@ -1,0 +1,217 @@
+"""kdev plan: what the flash call launches at DDTree shapes on a GPU, asked of the built library without running
+anything (no GPU needed): the kernels, row tiles, KV splits, CTAs and waves, the workspace the caller must provide,
+and what the plan leaves on the table against the roofline.
+
+The plan is the library's own: kdtree_flash_plan (the split plan, the combine's groups, the workspace) and
+kdtree_flash_launch_plan (which kernels, how much dynamic shared memory), the launcher's rules asked with the GPU's
+figures. What this module adds is arithmetic on that plan, each figure named for what it is:
+- CTAs per SM: the full-tile kernel's registers (the ptxas report in the build.json beside the library, allocated per
+  warp in units of 256), its shared memory (dynamic + static + the 1 KB the runtime reserves per block) and threads,
+  against the GPU's per-SM limits.
+- waves: the full-tile kernel's working CTAs over SMs x CTAs per SM (the narrow kernel's CTAs take the SMs that the
+  full tiles leave).
+- slot use: the KV tiles the full-tile CTAs run over waves x SMs x CTAs per SM x the longest CTA's tiles (the split
+  cut mirrors the kernels' split_chunk: equal chunks of whole 32-token tiles).
+- row use: the requests' rows (T x H) over the rows the tensor cores compute (64 per full row tile, 16 per narrow one).
+- KV read: every row tile's CTAs read the request's whole KV range (L2 -> SM traffic), against the KV in memory once.
+- floor: the larger of FLOPs over the GPU's mma.sync ceiling and bytes over its memory ceiling (as kdev bench).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from kdev import bench
+from kdev.config import REPO_ROOT, GpuSpec, load_gpus
+from kdev.errors import BadInput, EnvironmentMissing
+
+BLOCK_M, BLOCK_N, NARROW_ROWS = 64, 32, 16  # flash_plan.cuh: rows per full tile, tokens per KV tile, narrow tile rows
+THREADS = 256  # 8 warps per flash CTA
+RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
+KV_ROW_BYTES = 576 * 2
+CALLS = ("flash", "flash-portable")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+def gpu_here() -> GpuSpec | None:
+    """The GPU torch uses now, from its device properties (ceilings as kdev bench finds them), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from kdev import gpu
+
+    ident = gpu.current_gpu().to_dict()
+    pr = torch.cuda.get_device_properties(ident["index"])
+    ceil = bench.load_ceilings(ident) or {}
+    return GpuSpec(key="this GPU", name=pr.name, arch=ident["arch"], sms=pr.multi_processor_count,
+                   smem_per_block_optin=pr.shared_memory_per_block_optin,
+                   smem_per_sm=pr.shared_memory_per_multiprocessor, threads_per_sm=pr.max_threads_per_multi_processor,
+                   registers_per_sm=pr.regs_per_multiprocessor, flops=ceil.get("flops"),
+                   bytes_per_s=ceil.get("bytes_per_s"), ceilings_measured=bool(ceil),
+                   ceilings_source=ceil.get("source", "kdev bench --ceilings") if ceil else "")
+
+
+def resolve_gpu(name: str | None, sms: int | None = None, gpus_path: Path | None = None,
+                deploy_repo: Path = REPO_ROOT) -> GpuSpec:
+    """--gpu NAME (a key or a name in configs/gpus.yaml); without it the GPU here, else the deploy target's
+    (configs/deploy.yaml target_arch). --sms replaces the SM count (a partitioned or a smaller GPU of that arch)."""
+    gpus = load_gpus(gpus_path)
+    if name:
+        found = gpus.get(name) or next((g for g in gpus.values() if g.name == name), None)
+        if found is None:
+            raise BadInput(f"--gpu {name!r}: not in configs/gpus.yaml (have: {', '.join(gpus)})")
+    else:
+        found = gpu_here()
+        if found is None:
+            from kdev.deploy import load_deploy
+
+            target = load_deploy(deploy_repo).target_arch
+            found = next((g for g in gpus.values() if g.arch == target), None)
+            if found is None:
+                raise BadInput(f"no GPU here and none of arch {target} (configs/deploy.yaml target_arch) in "
+                               f"configs/gpus.yaml: name one with --gpu ({', '.join(gpus)})")
+    if sms is not None:
+        if sms < 1:
+            raise BadInput(f"--sms {sms}: must be >= 1")
+        found = replace(found, sms=sms)
+    return found
+
+
+# -------------------------------------------------------------------------------------------- library
+class PlanLibrary:
+    """The library's two plan entry points (host code only: loading it needs no GPU) and its build record."""
+
+    def __init__(self, path: Path):
+        try:
+            L = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise EnvironmentMissing(f"{path}: does not load: {e}") from None
+        if not hasattr(L, "kdtree_flash_plan") or not hasattr(L, "kdtree_flash_launch_plan"):
+            raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
+        i, n, s = ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
+        L.kdtree_flash_plan.argtypes = [i] * 7 + [n, n, n, n, s]
+        name = ctypes.POINTER(ctypes.c_char_p)
+        L.kdtree_flash_launch_plan.argtypes = [i] * 4 + [name, n, name, n]
+        L.kdtree_last_error.restype = ctypes.c_char_p
+        self.lib, self.path = L, path
+        record = path.parent / "build.json"
+        self.resources = json.loads(record.read_text()).get("resources", []) if record.is_file() else None
+
+    def _fail(self, fn: str) -> BadInput:
+        return BadInput(f"{fn}: {self.lib.kdtree_last_error().decode(errors='replace')}")
+
+    def split_plan(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int, gpu: GpuSpec) -> dict:
+        out = [ctypes.c_int() for _ in range(4)]
+        ws = ctypes.c_size_t()
+        if self.lib.kdtree_flash_plan(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, gpu.threads_per_sm,
+                                      *map(ctypes.byref, out), ctypes.byref(ws)):
+            raise self._fail("kdtree_flash_plan")
+        m_tiles, splits, span, groups = (x.value for x in out)
+        return {"row_tiles": m_tiles, "splits": splits, "narrow_span": span, "combine_groups": groups,
+                "workspace_bytes": ws.value}
+
+    def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
+        full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
+        if self.lib.kdtree_flash_launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable,
+                                             ctypes.byref(full), ctypes.byref(full_smem), ctypes.byref(narrow),
+                                             ctypes.byref(narrow_smem)):
+            raise self._fail("kdtree_flash_launch_plan")
+        return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
+                "narrow_smem": narrow_smem.value}
+
+    def ctas_per_sm(self, kernel: str, dynamic_smem: int, gpu: GpuSpec) -> int:
+        if self.resources is None:
+            raise EnvironmentMissing(f"{self.path}: no build.json beside it (the ptxas report): cannot tell "
+                                     f"{kernel}'s registers")
+        arch = gpu.arch.rstrip("a")
+        r = next((x for x in self.resources if x["kernel"] == kernel and x["arch"].rstrip("a") == arch), None)
+        if r is None:
+            built = sorted({x["arch"] for x in self.resources})
+            raise BadInput(f"{self.path}: no {arch} build of {kernel} (built for {', '.join(built)}): "
+                           f"kdev build --arch {arch}")
+        per_warp = math.ceil(32 * math.ceil(max(r["registers"], 1) / 8) * 8 / 256) * 256
+        by_regs = gpu.registers_per_sm // (per_warp * THREADS // 32)
+        by_smem = gpu.smem_per_sm // (dynamic_smem + r["smem"] + RESERVED_SMEM)
+        return min(by_regs, by_smem, gpu.threads_per_sm // THREADS)
+
+
+# ----------------------------------------------------------------------------------------------- plan
+@dataclass
+class ShapePlan:
+    shape: str
+    axes: dict
+    rows: int  # T x H per request
+    row_tiles: int
+    narrow_rows: int  # rows of the narrow last tile; 0 where the last tile runs as a full one
+    splits: int
+    narrow_span: int
+    combine_groups: int
+    workspace_bytes: int
+    full_kernel: str
+    full_smem: int
+    narrow_kernel: str | None
+    ctas_per_sm: int
+    full_ctas: int
+    narrow_ctas: int
+    waves: int
+    slot_use: float
+    row_use: float
+    kv_bytes: int  # the requests' KV rows, once
+    kv_read_bytes: int  # what the CTAs read of it (every row tile reads its request's range)
+    floor_us: float | None
+    bound: str
+
+
+def split_tiles(kv_len: int, splits: int) -> list[int]:
+    """KV tiles of each split of a range of kv_len tokens: the kernels' split_chunk cut."""
+    chunk = math.ceil(math.ceil(kv_len / splits) / BLOCK_N) * BLOCK_N
+    return [math.ceil(max(0, min(chunk, kv_len - s * chunk)) / BLOCK_N) for s in range(splits)]
+
+
+def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "flash") -> ShapePlan:
+    T, H, B, L = shape.T, shape.heads, shape.batch, shape.prefix
+    kv_len = L + T
+    p = lib.split_plan(B, B * T, H, T, kv_len, gpu)
+    tensor_copy = gpu.major >= 9 and shape.page_size >= BLOCK_N
+    k = lib.kernels(gpu, tensor_copy, call == "flash-portable")
+    narrow = 1 if p["narrow_span"] else 0
+    full_tiles = p["row_tiles"] - narrow
+    per_sm = lib.ctas_per_sm(k["full"], k["full_smem"], gpu)
+    if per_sm < 1:
+        raise BadInput(f"{k['full']} does not fit one CTA on an SM of {gpu.name} ({k['full_smem']} B dynamic shared "
+                       f"memory)")
+    tiles = split_tiles(kv_len, p["splits"])
+    full_ctas = B * full_tiles * p["splits"]
+    narrow_ctas = B * math.ceil(p["splits"] / p["narrow_span"]) if narrow else 0
+    slots = gpu.sms * per_sm
+    waves = math.ceil(full_ctas / slots) if full_ctas else 0
+    slot_use = B * full_tiles * sum(tiles) / (waves * slots * max(tiles)) if full_ctas else 0.0
+    rows = T * H
+    kv_bytes = B * kv_len * KV_ROW_BYTES
+    flops, nbytes = bench.flops_bytes([T] * B, [L] * B, H)
+    floor = bound = None
+    if gpu.flops and gpu.bytes_per_s:
+        tc, tm = flops / gpu.flops, nbytes / gpu.bytes_per_s
+        floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
+    return ShapePlan(
+        shape=shape.name, axes=asdict(shape), rows=rows, row_tiles=p["row_tiles"],
+        narrow_rows=rows - full_tiles * BLOCK_M if narrow else 0, splits=p["splits"], narrow_span=p["narrow_span"],
+        combine_groups=p["combine_groups"], workspace_bytes=p["workspace_bytes"], full_kernel=k["full"],
+        full_smem=k["full_smem"], narrow_kernel=k["narrow"] if narrow else None, ctas_per_sm=per_sm,
+        full_ctas=full_ctas, narrow_ctas=narrow_ctas, waves=waves, slot_use=slot_use,
+        row_use=rows / (full_tiles * BLOCK_M + narrow * NARROW_ROWS), kv_bytes=kv_bytes,
+        kv_read_bytes=kv_bytes * p["row_tiles"], floor_us=floor, bound=bound or "-")
+
+
+def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash") -> dict:
+    if call not in CALLS:
+        raise BadInput(f"--call {call!r}: one of {', '.join(CALLS)}")
+    plans = [plan_shape(lib, s, gpu, call) for s in shapes]
+    largest = max(plans, key=lambda x: x.workspace_bytes, default=None)
+    return {"gpu": asdict(gpu), "library": str(lib.path), "call": call, "plans": [asdict(x) for x in plans],
+            "largest_workspace": {"shape": largest.shape, "bytes": largest.workspace_bytes} if largest else None}

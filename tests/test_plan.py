@@ -1,0 +1,156 @@
+"""kdev plan without a GPU: the library's launch plan at the target shapes for GPUs that are not here (the H200's
+plans are the grids measured there, kernels/NOTES.md), its arithmetic, and bad input as one line."""
+
+import dataclasses
+import json
+import types
+
+import pytest
+from typer.testing import CliRunner
+
+from kdev import bench, config
+from kdev import plan as kplan
+from kdev.cli import app
+from kdev.errors import BadInput
+
+pytestmark = pytest.mark.nvcc
+
+# The seven target shapes on the H200: (splits, full-tile CTAs, narrow CTAs, waves), as Nsight Compute and the
+# timeline probe saw the grids there (NOTES.md: "where a v24 call's time goes", "the timeline probe run").
+H200_TARGETS = {
+    "B1-L32768-N64-H8-p64": (15, 120, 8, 1),
+    "B1-L131072-N64-H8-p64": (31, 248, 16, 2),
+    "B4-L32768-N64-H8-p64": (11, 352, 44, 3),
+    "B16-L8192-N32-H8-p64": (7, 448, 64, 4),
+    "B1-L32768-N16-H8-p64": (52, 104, 26, 1),
+    "B1-L32768-N128-H8-p64": (8, 128, 4, 1),
+    "B1-L32768-N64-H64-p64": (2, 130, 0, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def library(both_archs):
+    return kplan.PlanLibrary(both_archs[1].library)
+
+
+def targets(**axes):
+    return bench.expand(bench.load_bench(), "targets", None, [f"{k}={v}" for k, v in axes.items()])
+
+
+def test_h200_plans_are_the_grids_measured_there(library):
+    gpu = kplan.resolve_gpu("h200")
+    doc = kplan.plan(library, targets(), gpu)
+    got = {p["shape"]: (p["splits"], p["full_ctas"], p["narrow_ctas"], p["waves"]) for p in doc["plans"]}
+    assert got == H200_TARGETS
+    for p in doc["plans"]:
+        B, T, H = p["axes"]["batch"], p["axes"]["budget"] + 1, p["axes"]["heads"]
+        assert p["full_kernel"] == "verify_attn_flash_teams_kernel" and 101376 < p["full_smem"] <= 232448
+        assert p["ctas_per_sm"] == 1  # 255 registers x 256 threads: the whole register file
+        assert p["workspace_bytes"] == p["splits"] * B * T * H * 513 * 4  # fp32 partial O and its lse per split
+        assert p["kv_read_bytes"] == p["row_tiles"] * p["kv_bytes"] == p["row_tiles"] * B * (p["axes"]["prefix"] + T) * 1152
+        assert 0 < p["slot_use"] <= 1 and 0 < p["row_use"] <= 1
+    floor = {p["shape"]: p["floor_us"] for p in doc["plans"]}
+    # the issue's floors (58, 233, 233, 119, 15, 116, 465 µs) from 638 TFLOP/s and 3,984 GB/s
+    assert [round(floor[s]) for s in H200_TARGETS] == [58, 233, 233, 118, 15, 116, 466]
+    assert doc["largest_workspace"] == {"shape": "B16-L8192-N32-H8-p64", "bytes": 7 * 16 * 33 * 8 * 513 * 4}
+
+
+def test_the_sm120_plan_takes_the_lockstep_kernels_within_99_kb(library):
+    gpu = kplan.resolve_gpu("rtx-pro-6000")
+    assert (gpu.arch, gpu.sms, gpu.smem_per_block_optin) == ("sm_120", 188, 101376)
+    for page_size, kernel in ((64, "verify_attn_flash_kernel<true>"), (1, "verify_attn_flash_kernel<false>")):
+        for p in kplan.plan(library, targets(page_size=page_size), gpu)["plans"]:
+            assert p["full_kernel"] == kernel and p["full_smem"] <= 101376 and p["ctas_per_sm"] == 1
+            assert p["narrow_kernel"] in (None, f"verify_attn_flash_narrow_kernel<{str(page_size == 64).lower()}, false>")
+    # the flash-portable call on the H200 plans what sm_120 runs, at the H200's size
+    portable = kplan.plan(library, targets(), kplan.resolve_gpu("h200"), "flash-portable")["plans"]
+    assert {p["full_kernel"] for p in portable} == {"verify_attn_flash_kernel<true>"}
+    assert [p["splits"] for p in portable] == [v[0] for v in H200_TARGETS.values()]
+
+
+def test_more_sms_more_splits_same_rows(library):
+    shape = bench.expand(bench.load_bench(), None, ["B=1,L=32768,N=64,H=8"], None)
+    small, big = (kplan.plan_shape(library, shape[0], kplan.resolve_gpu("h200", sms=n)) for n in (66, 264))
+    assert small.row_tiles == big.row_tiles == 9 and small.narrow_rows == big.narrow_rows == 8
+    assert small.splits < big.splits and small.workspace_bytes < big.workspace_bytes
+
+
+@pytest.mark.parametrize("kv_len,splits", [(32833, 15), (8225, 7), (65, 3), (100, 4), (1025, 64)])
+def test_split_tiles_cover_the_range_in_whole_tiles(kv_len, splits):
+    tiles = kplan.split_tiles(kv_len, splits)
+    assert len(tiles) == splits and sum(tiles) == -(-kv_len // 32)
+    # equal chunks, the last one shorter; past the range's end (more splits than chunks) empty ones
+    assert tiles == sorted(tiles, reverse=True) and len(set(tiles) - {0, tiles[0]}) <= 1
+
+
+def test_the_library_refuses_a_shape_it_would_refuse_to_launch(library):
+    gpu = kplan.resolve_gpu("h200")
+    with pytest.raises(BadInput, match="max_qlen 1026 outside 1..1025"):
+        library.split_plan(1, 1026, 8, 1026, 5000, gpu)
+    with pytest.raises(BadInput, match="total_q 9 inconsistent with batch 2 and max_qlen 4"):
+        library.split_plan(2, 9, 8, 4, 5000, gpu)
+    with pytest.raises(BadInput, match="sm_count 0 < 1"):
+        library.split_plan(1, 65, 8, 65, 5000, dataclasses.replace(gpu, sms=0))
+
+
+def test_no_gpu_here_plans_for_the_deploy_target(monkeypatch):
+    monkeypatch.setattr(kplan, "gpu_here", lambda: None)
+    assert kplan.resolve_gpu(None).key == "rtx-pro-6000"  # configs/deploy.yaml target_arch: sm_120
+    with pytest.raises(BadInput, match="--gpu 'a100'"):
+        kplan.resolve_gpu("a100")
+    with pytest.raises(BadInput, match="--sms 0"):
+        kplan.resolve_gpu("h200", sms=0)
+
+
+def test_the_gpu_here_from_its_device_properties(monkeypatch):
+    import torch
+
+    from kdev import gpu
+
+    props = types.SimpleNamespace(name="NVIDIA H200", multi_processor_count=132, shared_memory_per_block_optin=232448,
+                                  shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048,
+                                  regs_per_multiprocessor=65536)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(gpu, "current_gpu", lambda: gpu.GpuIdentity(0, "NVIDIA H200", "sm_90", "GPU-none", None))
+    here = kplan.resolve_gpu(None)
+    h200 = kplan.resolve_gpu("h200")
+    for f in ("name", "arch", "sms", "smem_per_block_optin", "smem_per_sm", "threads_per_sm", "registers_per_sm",
+              "flops", "bytes_per_s"):
+        assert getattr(here, f) == getattr(h200, f), f
+
+
+def test_bench_takes_only_measured_ceilings_from_the_gpu_table():
+    assert bench.load_ceilings({"name": "NVIDIA H200", "uuid": "GPU-not-cached"})["flops"] == 638e12
+    assert bench.load_ceilings({"name": "NVIDIA RTX PRO 6000 Blackwell", "uuid": "GPU-not-cached"}) is None
+
+
+def test_gpu_table_errors_name_file_and_key(write_yaml):
+    p = write_yaml("gpus.yaml", """
+        gpus:
+          x: {name: X, arch: sm_90, sms: 0, smem_per_block_optin: 1, smem_per_sm: 1, threads_per_sm: 1,
+              registers_per_sm: 1}
+        """)
+    with pytest.raises(BadInput, match=r"gpus.yaml: gpus.x.sms: must be > 0"):
+        config.load_gpus(p)
+
+
+def test_cli_table_json_and_bad_input(both_archs):
+    runner = CliRunner()
+    lib = str(both_archs[1].library)
+    r = runner.invoke(app, ["plan", "--gpu", "h200", "--library", lib], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "flash plan on NVIDIA H200 (sm_90, 132 SMs" in r.output and "teams_kernel 190,464 B" in r.output
+    assert "up to 57.9 MiB" in r.output
+    r = runner.invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--library", lib, "--shape", "B=2,L=4096,N=16,H=16",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["gpu"]["arch"] == "sm_120" and [p["shape"] for p in doc["plans"]] == ["B2-L4096-N16-H16-p64"]
+    for args, code, msg in ((["--gpu", "a100"], 2, "not in configs/gpus.yaml"),
+                            (["--gpu", "h200", "--call", "fast"], 2, "--call"),
+                            (["--gpu", "h200", "--shape", "B=1,L=100,N=2000,H=8"], 2, "out of range"),
+                            (["--gpu", "h200", "--library", "/nonexistent/libkdtree.so"], 3, "does not load")):
+        r = runner.invoke(app, ["plan", "--library", lib, *args] if "--library" not in args else ["plan", *args])
+        assert r.exit_code == code, (args, r.output)
+        assert msg in r.output and "Traceback" not in r.output
