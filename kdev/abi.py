@@ -43,7 +43,7 @@ class VerifyAttnParams(ctypes.Structure):
         ("max_pages", ctypes.c_int32),
         ("max_kv_len", ctypes.c_int32),
         ("scale", ctypes.c_float),
-        ("reserved", ctypes.c_int32),
+        ("plan_sm_count", ctypes.c_int32),
         ("q", ctypes.c_void_p),
         ("kv_cache", ctypes.c_void_p),
         ("page_table", ctypes.c_void_p),
@@ -168,6 +168,8 @@ class Library:
         if L.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
             raise EnvironmentMissing(f"{self.path}: VerifyAttnParams is {L.kdtree_params_size()} B in the library, "
                                      f"{ctypes.sizeof(VerifyAttnParams)} B here: rebuild with 'kdev build'")
+        self.abi_version = L.kdtree_abi_version()
+        self.plan_sm_count = 0  # plan_as(): every flash call planned as for a GPU of that many SMs
         self.build_info = json.loads(L.kdtree_build_info().decode())
         self.stale = self.build_info.get("source_hash") != kbuild.source_hash()
         # an A/B library (kdev build --kernels) comes from another kernels/ tree by design: no warning for it
@@ -175,6 +177,16 @@ class Library:
             warnings.warn(f"{self.path} was built from sources {self.build_info.get('source_hash', '?')[:12]}, "
                           f"kernels/ is now {kbuild.source_hash()[:12]}: run 'kdev build'", StaleLibraryWarning,
                           stacklevel=2)
+
+    def plan_as(self, sm_count: int) -> None:
+        """Plan every flash call through this library as for a GPU of sm_count SMs (VerifyAttnParams.plan_sm_count):
+        another GPU's split plan and workspace, run here. 0: this GPU's own."""
+        if sm_count < 0:
+            raise AbiArgumentError(f"plan_sm_count {sm_count} < 0")
+        if sm_count and self.abi_version < 2:
+            raise EnvironmentMissing(f"{self.path}: ABI {self.abi_version} has no plan_sm_count (its flash calls would "
+                                     f"plan for this GPU regardless): rebuild with 'kdev build'")
+        self.plan_sm_count = sm_count
 
     # ------------------------------------------------------------------------------------ small calls
     @property
@@ -205,7 +217,7 @@ class Library:
             struct_size=ctypes.sizeof(VerifyAttnParams), batch=batch, total_q=n_q, num_heads=heads,
             max_qlen=max_qlen, mask_words=x.tree_mask.shape[1], num_pages=x.kv_cache.shape[0],
             page_size=x.kv_cache.shape[1], max_pages=x.page_table.shape[1], max_kv_len=max_kv_len,
-            scale=float(x.scale), reserved=0,
+            scale=float(x.scale), plan_sm_count=self.plan_sm_count,
             q=x.q.data_ptr(), kv_cache=x.kv_cache.data_ptr(), page_table=x.page_table.data_ptr(),
             prefix_lens=x.prefix_lens.data_ptr(), q_indptr=x.q_indptr.data_ptr(), tree_mask=x.tree_mask.data_ptr(),
             out=out.data_ptr(), lse=lse.data_ptr(), workspace=None, workspace_bytes=0)

@@ -212,6 +212,9 @@ def verify_cmd(
     max_nodes: Optional[int] = typer.Option(None, "--max-nodes", min=1, help="Fuzz: largest tree (default: kernel max)."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run vectors made by older reference sources."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    plan_gpu_name: Optional[str] = typer.Option(
+        None, "--plan-gpu", help="Plan the flash calls as for this GPU of configs/gpus.yaml (its SM count: its split "
+        "plan and workspace, run here), e.g. rtx-pro-6000 with --kernel flash-portable: the target's kernels and plan."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
 ):
@@ -219,8 +222,10 @@ def verify_cmd(
     import secrets
 
     from kdev import abi, vectors, verify
+    from kdev.plan import resolve_gpu
 
     kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
+    plan_gpu = resolve_gpu(plan_gpu_name, option="--plan-gpu") if plan_gpu_name else None
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
         from kdev import gpu
@@ -229,11 +234,13 @@ def verify_cmd(
         seed = seed if seed is not None else secrets.randbits(31)
         report.info(f"fuzz: {fuzz} cases, seed {seed} (replay with --fuzz {fuzz} --seed {seed})")
         with report.progress("fuzz", fuzz) as advance:
-            run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance)
+            run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance,
+                                  plan_gpu=plan_gpu)
     else:
         n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
         with report.progress(f"verify {suite}", n) as advance:
-            run = verify.run_suite(suite, kernels, repeat, case, allow_stale, library, report.info, report.warn, advance)
+            run = verify.run_suite(suite, kernels, repeat, case, allow_stale, library, report.info, report.warn, advance,
+                                   plan_gpu=plan_gpu)
     doc = {**run.record, "results": [r.to_dict() for r in run.results], "ledger": str(run.ledger_path),
            "saved_failures": run.saved_failures}
     _write_json_file(out_json, doc)
@@ -253,6 +260,8 @@ def verify_cmd(
                          report.fmt_float(r.lse.max_abs), r.token.label(),
                          "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
         title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
+        if plan_gpu:
+            title += f", flash calls planned as for {plan_gpu.name} ({plan_gpu.sms} SMs)"
         columns = ["case", "kernel", "max |err| out", "cos diff", "max |err| lse", "token-exact", "verdict"]
         if rows:
             report.show(report.table(title, columns, rows, {"left": ("case", "kernel")}))

@@ -57,14 +57,14 @@ def gpu_here() -> GpuSpec | None:
 
 
 def resolve_gpu(name: str | None, sms: int | None = None, gpus_path: Path | None = None,
-                deploy_repo: Path = REPO_ROOT) -> GpuSpec:
+                deploy_repo: Path = REPO_ROOT, option: str = "--gpu") -> GpuSpec:
     """--gpu NAME (a key or a name in configs/gpus.yaml); without it the GPU here, else the deploy target's
     (configs/deploy.yaml target_arch). --sms replaces the SM count (a partitioned or a smaller GPU of that arch)."""
     gpus = load_gpus(gpus_path)
     if name:
         found = gpus.get(name) or next((g for g in gpus.values() if g.name == name), None)
         if found is None:
-            raise BadInput(f"--gpu {name!r}: not in configs/gpus.yaml (have: {', '.join(gpus)})")
+            raise BadInput(f"{option} {name!r}: not in configs/gpus.yaml (have: {', '.join(gpus)})")
     else:
         found = gpu_here()
         if found is None:

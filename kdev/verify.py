@@ -383,12 +383,15 @@ def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
 
 
 def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: abi.Library, gpu: dict,
-                suite: dict) -> dict:
+                suite: dict, plan_gpu=None) -> dict:
     per = summarize(results, kernels)
+    # plan: the GPU whose split plan the flash calls took (kdev verify --plan-gpu); None: this GPU's own
+    plan = ({"gpu": plan_gpu.key, "name": plan_gpu.name, "arch": plan_gpu.arch, "sms": plan_gpu.sms}
+            if plan_gpu else None)
     return {
         "schema_version": LEDGER_SCHEMA, "timestamp": now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
-        "gpu": gpu, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
+        "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
         "failures": [{"case": r.case, "kernel": r.kernel, "against": r.against,
                       "reason": r.error or "; ".join(x for x in (
                           r.out.reason if r.out else "", r.lse.reason if r.lse else "",
@@ -431,9 +434,17 @@ def open_checked_suite(suite_ref: str, allow_stale: bool = False, warn=None) -> 
     return suite
 
 
+def load_planned_library(lib_path, log, plan_gpu) -> abi.Library:
+    """The library to verify, its flash calls planned as for plan_gpu (a config.GpuSpec) where given."""
+    lib = abi.load_library(lib_path, log)
+    if plan_gpu is not None:
+        lib.plan_as(plan_gpu.sms)
+    return lib
+
+
 def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[str] | None = None,
               allow_stale: bool = False, lib_path=None, log=None, warn=None, progress=None,
-              write_ledger: bool = True) -> VerifyRun:
+              write_ledger: bool = True, plan_gpu=None) -> VerifyRun:
     from kdev import gpu
 
     suite = open_checked_suite(suite_ref, allow_stale, warn)
@@ -446,7 +457,7 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
 
             raise BadInput(f"{suite.path}: no case named {unknown[0]!r}")
         entries = [e for e in entries if e["name"] in cases]
-    lib = abi.load_library(lib_path, log)
+    lib = load_planned_library(lib_path, log, plan_gpu)
     device = torch.device("cuda", torch.cuda.current_device())
     results, proj_cache = [], {}
     for entry in entries:
@@ -458,18 +469,18 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
     info = {"name": suite.name, "path": str(suite.path), "manifest_sha256": suite.manifest_sha256,
             "generator_hash": suite.manifest.get("generator_hash"), "stale": suite.stale,
             "cases": [e["name"] for e in entries], "repeat": repeat}
-    record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info)
+    record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu)
     path = append_record(record) if write_ledger else None
     return VerifyRun("suite", kernels, results, record, path)
 
 
 def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: int | None = None, repeat: int = 1,
              lib_path=None, log=None, progress=None, failures_root: Path | None = None,
-             write_ledger: bool = True) -> VerifyRun:
+             write_ledger: bool = True, plan_gpu=None) -> VerifyRun:
     from kdev import gpu
 
     gpu.require_cuda("kdev verify --fuzz")
-    lib = abi.load_library(lib_path, log)
+    lib = load_planned_library(lib_path, log, plan_gpu)
     max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)
@@ -496,6 +507,6 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
             progress(spec.name)
     info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat,
             "seconds": {k: round(v, 1) for k, v in seconds.items()}}
-    record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info)
+    record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu)
     path = append_record(record) if write_ledger else None
     return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)

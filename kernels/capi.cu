@@ -97,6 +97,7 @@ int validate(const VerifyAttnParams* p) {
                 p->page_size, p->max_kv_len);
   if (!(p->scale > 0.f) || !std::isfinite(p->scale))
     return fail(KDTREE_ERR_INVALID, "scale %g must be finite and > 0", (double)p->scale);
+  if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
   return KDTREE_OK;
 }
 
@@ -109,7 +110,13 @@ int check_ptrs(std::initializer_list<std::pair<const void*, const char*>> ptrs, 
   return KDTREE_OK;
 }
 
-int current_sm_count(int* sm_count) {
+// The SM count the flash launch is planned for: params.plan_sm_count where set (another GPU's split plan and workspace,
+// run and verified on this one), else this GPU's.
+int plan_sm_count(const VerifyAttnParams* p, int* sm_count) {
+  if (p->plan_sm_count > 0) {
+    *sm_count = p->plan_sm_count;
+    return KDTREE_OK;
+  }
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
@@ -126,7 +133,8 @@ kdtree::FlashPlan flash_plan(const VerifyAttnParams* p, int sm_count) {
 
 extern "C" {
 
-int kdtree_abi_version(void) { return 1; }
+// 2: VerifyAttnParams.plan_sm_count (the field that was `reserved` in 1, which ignored it).
+int kdtree_abi_version(void) { return 2; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
@@ -147,7 +155,7 @@ int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes) 
   if (bytes == nullptr) return fail(KDTREE_ERR_INVALID, "bytes is NULL");
   if (int st = validate(p)) return st;
   int sm_count = 0;
-  if (int st = current_sm_count(&sm_count)) return st;
+  if (int st = plan_sm_count(p, &sm_count)) return st;
   *bytes = flash_plan(p, sm_count).workspace_bytes;
   return KDTREE_OK;
 }
@@ -158,7 +166,7 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
   if (num_splits == nullptr) return fail(KDTREE_ERR_INVALID, "num_splits is NULL");
   if (int st = validate(p)) return st;
   int sm_count = 0;
-  if (int st = current_sm_count(&sm_count)) return st;
+  if (int st = plan_sm_count(p, &sm_count)) return st;
   *num_splits = flash_plan(p, sm_count).num_splits;
   return KDTREE_OK;
 }
@@ -168,7 +176,7 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
 static int verify_attn_flash(const VerifyAttnParams* p, bool portable, cudaStream_t stream) {
   if (int st = validate(p)) return st;
   int sm_count = 0;
-  if (int st = current_sm_count(&sm_count)) return st;
+  if (int st = plan_sm_count(p, &sm_count)) return st;
   const kdtree::FlashPlan plan = flash_plan(p, sm_count);
   if (plan.workspace_bytes > 0) {
     if (p->workspace == nullptr)

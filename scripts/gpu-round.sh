@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
-# (kdev sass, into round.log), the GPU tests, kdev verify on the smoke suite and a fuzz run, and a short
-# bench beside the launch plan of its shapes on this GPU (kdev plan, into round.log). Results go under $OUT
+# (kdev sass, into round.log), the GPU tests, kdev verify on the smoke suite and a fuzz run (each followed by
+# flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu: the target's kernels and grids), and
+# a short bench beside the launch plan of its shapes on this GPU (kdev plan, into round.log). Results go under $OUT
 # (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
@@ -62,6 +63,8 @@ FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPL
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
 VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
+# the deploy target (configs/gpus.yaml): flash-portable is also verified with its split plan (kdev verify --plan-gpu)
+TARGET_GPU=rtx-pro-6000
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
@@ -161,6 +164,7 @@ if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
 fi
 step verify-smoke python3 -m kdev verify --suite smoke --kernel "$VERIFY_KERNELS" --repeat 3 --out-json "$OUT/verify-smoke.json"
+step verify-smoke-target-plan python3 -m kdev verify --suite smoke --kernel flash-portable --plan-gpu "$TARGET_GPU" --repeat 2
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
@@ -220,8 +224,10 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
     tee -a "$LOG" < "$OUT/variants-$sw.txt"
   done
 fi
-# last: the longest step (a killed round keeps everything above)
+# last: the longest steps (a killed round keeps everything above)
 step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel "$VERIFY_KERNELS" --out-json "$OUT/verify-fuzz.json"
+[ "$FUZZ" -lt 4 ] || step verify-fuzz-target-plan python3 -m kdev verify --fuzz "$((FUZZ / 4))" --kernel flash-portable \
+  --plan-gpu "$TARGET_GPU"
 fi
 for shape in "${PROFILES[@]}"; do
   name="ncu-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"

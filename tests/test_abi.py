@@ -81,6 +81,23 @@ def test_library_without_an_entry_point_loads_and_refuses_that_kernel(monkeypatc
         lib.call("flash-next", abi.VerifyAttnParams())
 
 
+def test_plan_as_another_gpu_needs_abi_2(sm90_library):
+    """plan_as(N) puts N into every call's params.plan_sm_count; a library of ABI 1 (whose field of that place was
+    `reserved` and ignored) would plan for this GPU regardless, so asking it is refused, not silently dropped."""
+    lib = abi.Library(sm90_library)
+    assert lib.abi_version == 2 and lib.plan_sm_count == 0
+    lib.plan_as(188)
+    assert lib.plan_sm_count == 188
+    with pytest.raises(abi.AbiArgumentError, match="plan_sm_count -1 < 0"):
+        lib.plan_as(-1)
+    lib.abi_version = 1
+    from kdev.errors import EnvironmentMissing
+
+    with pytest.raises(EnvironmentMissing, match="ABI 1 has no plan_sm_count"):
+        lib.plan_as(188)
+    lib.plan_as(0)  # this GPU's own plan: every ABI
+
+
 def test_stale_library_warns(monkeypatch, sm90_library):
     monkeypatch.setattr(kbuild, "source_hash", lambda *a: "f" * 64)
     with pytest.warns(abi.StaleLibraryWarning, match="run 'kdev build'"):

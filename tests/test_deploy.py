@@ -60,11 +60,12 @@ class FakeNvml:
     def nvmlDeviceGetPersistenceMode(self, h): return 1
 
 
-def ledger_with(tmp_path, repo, arch, passed=True, suite="smoke", kernels=("naive", "flash", "flash-portable")):
+def ledger_with(tmp_path, repo, arch, passed=True, suite="smoke", kernels=("naive", "flash", "flash-portable"),
+                plan=None, kind="suite"):
     folder = tmp_path / "ledger"
-    rec = {"schema_version": 1, "timestamp": verify.now_iso(), "kind": "suite", "passed": passed,
+    rec = {"schema_version": 1, "timestamp": verify.now_iso(), "kind": kind, "passed": passed,
            "source_hash": kbuild.source_hash(repo / "kernels"), "suite": {"name": suite},
-           "gpu": {"name": "GPU", "arch": arch}, "kernels": {k: {"passed": passed} for k in kernels}}
+           "gpu": {"name": "GPU", "arch": arch}, "plan": plan, "kernels": {k: {"passed": passed} for k in kernels}}
     verify.append_record(rec, folder)
     return folder
 
@@ -85,6 +86,19 @@ def test_only_another_arch_verified_warns_and_names_it(repo, tmp_path):
     p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger_with(tmp_path, repo, "sm_90"))[0])
     assert p["ledger"].status == "warn" and "sm_90" in p["ledger"].reason and "sm_120" in p["ledger"].reason
     assert "flash-portable" in p["ledger"].reason
+
+
+def test_a_proxy_run_with_the_targets_split_plan_is_named(repo, tmp_path):
+    """A flash-portable run planned as for the target GPU (kdev verify --plan-gpu) ran the target's kernels and grids;
+    the ledger probe says so (still a warning: no verify on the target itself)."""
+    p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger_with(tmp_path, repo, "sm_90"))[0])
+    assert "not yet with a sm_120 GPU's split plan" in p["ledger"].reason and "--plan-gpu" in p["ledger"].reason
+    ledger = ledger_with(tmp_path, repo, "sm_90")
+    ledger_with(tmp_path, repo, "sm_90", kernels=("flash-portable",), kind="fuzz", suite="fuzz:100",
+                plan={"gpu": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell", "arch": "sm_120", "sms": 188})
+    p = by_name(deploy.run_checks(repo, nvml=FakeNvml(), ledger=ledger)[0])
+    assert p["ledger"].status == "warn"
+    assert "and the sm_120 split plan (rtx-pro-6000, 188 SMs) passing there" in p["ledger"].reason
 
 
 def test_another_arch_without_the_target_code_path_fails(repo, tmp_path):

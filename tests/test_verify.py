@@ -103,6 +103,11 @@ def test_unknown_kernel_is_usage_error():
     assert r.exit_code == 2 and "fastest" in r.output
 
 
+def test_unknown_plan_gpu_is_usage_error_before_any_gpu_is_asked_for():
+    r = CliRunner().invoke(app, ["verify", "--kernel", "flash-portable", "--plan-gpu", "a100", "--fuzz", "3"])
+    assert r.exit_code == 2 and "--plan-gpu 'a100': not in configs/gpus.yaml" in r.output
+
+
 class FakeLibrary:
     """Stands in for the CUDA library: returns the golden outputs rounded as a kernel would store them,
     optionally with one element of one kernel's output moved."""
@@ -184,3 +189,22 @@ def test_fuzz_summary_keeps_the_worst_of_every_metric():
     assert rows["flash"][1] == report.fmt_float(large.max_abs) != report.fmt_float(small.max_abs)
     assert "2 checks, 2 ties" in rows["flash"][4] and "pass" in rows["flash"][5]
     assert "FAIL 1" in rows["compact"][5]
+
+
+def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
+    from kdev import abi, config
+
+    class Lib:
+        build_info, path, planned = {"source_hash": "abc"}, "lib.so", None
+
+        def plan_as(self, n):
+            self.planned = n
+
+    monkeypatch.setattr(abi, "load_library", lambda *a: Lib())
+    target = config.load_gpus()["rtx-pro-6000"]
+    lib = verify.load_planned_library(None, None, target)
+    assert lib.planned == 188
+    assert verify.load_planned_library(None, None, None).planned is None  # this GPU's own plan: nothing set
+    rec = verify.make_record("fuzz", [], ["flash-portable"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"}, target)
+    assert rec["plan"] == {"gpu": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell", "arch": "sm_120", "sms": 188}
+    assert verify.make_record("fuzz", [], ["flash"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"})["plan"] is None

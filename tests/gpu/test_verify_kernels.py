@@ -107,6 +107,31 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel):
     _check_flash_twice(lib, spec, kernel)
 
 
+@pytest.mark.parametrize("nodes,heads,splits", [(17, 8, 64), (65, 64, 14)])
+def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits):
+    """The RTX PRO 6000's kernels (flash-portable) with its split plan (188 SMs, params.plan_sm_count): at the N16 target
+    the plan reaches the combine's 64-split cap, which no H200 plan does (52); at H64 it takes 14 splits in 910 CTAs
+    (the H200: 2). The same plan as kdev plan reports; float64 agreement and the same bits on every run."""
+    from kdev import plan as kplan
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    spec = config.CaseSpec(name=f"sm120-plan-n{nodes}-h{heads}", prefix_lens=(32768 + 65 - nodes,),
+                           tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
+                           model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
+    target = kplan.resolve_gpu("rtx-pro-6000")
+    planned = kplan.PlanLibrary(lib.path).split_plan(1, nodes, heads, nodes, 32768 + 65, target)["splits"]
+    assert planned == splits
+    lib.plan_as(target.sms)
+    try:
+        case = vectors.generate_case(spec, device="cuda")
+        x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+        out0, lse0 = lib.alloc_outputs(x)
+        assert lib.flash_splits(lib.params(x, out0, lse0)) == splits
+        _check_flash_twice(lib, spec, "flash-portable")
+    finally:
+        lib.plan_as(0)
+
+
 @pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("prefix_lens,nodes,heads,page_size,split", [
     ((30000,), 65, 8, 64, True),         # 520 rows: 8 full tiles + 8 rows, 15 splits, a narrow CTA over two (the

@@ -36,7 +36,7 @@ typedef struct VerifyAttnParams {
   int32_t max_pages;     // page_table row stride
   int32_t max_kv_len;    // >= every prefix_lens[b] + T_b (host-side bound: plans the KV split)
   float scale;           // softmax scale (YaRN-adjusted)
-  int32_t reserved;
+  int32_t plan_sm_count;  // 0: plan the flash launch for this GPU's SMs; > 0: as for a GPU of that many (ABI 2)
   const void* q;
   const void* kv_cache;
   const int32_t* page_table;
