@@ -498,7 +498,10 @@ def plan_cmd(
     path = library or build.latest_library()
     if path is None:
         raise EnvironmentMissing("no library built (build/latest.json missing): run 'kdev build'")
-    doc = kplan.plan(kplan.PlanLibrary(Path(path)), shapes, gpu, call)
+    planner = kplan.PlanLibrary(Path(path))
+    if planner.stale_note():
+        report.warn(planner.stale_note())
+    doc = kplan.plan(planner, shapes, gpu, call)
     if json_out:
         report.emit_json(doc)
         return

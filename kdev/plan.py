@@ -98,9 +98,20 @@ class PlanLibrary:
         name = ctypes.POINTER(ctypes.c_char_p)
         L.kdtree_flash_launch_plan.argtypes = [i] * 4 + [name, n, name, n]
         L.kdtree_last_error.restype = ctypes.c_char_p
+        L.kdtree_build_info.restype = ctypes.c_char_p
         self.lib, self.path = L, path
+        self.build_info = json.loads(L.kdtree_build_info().decode())
         record = path.parent / "build.json"
         self.resources = json.loads(record.read_text()).get("resources", []) if record.is_file() else None
+
+    def stale_note(self) -> str | None:
+        """Why this library's plan may not be the current sources' (None where it is, or for an A/B build)."""
+        from kdev import build
+
+        built, now = self.build_info.get("source_hash", "?"), build.source_hash()
+        if built == now or self.build_info.get("variant"):
+            return None
+        return f"{self.path} was built from sources {built[:12]}, kernels/ is now {now[:12]}: run 'kdev build'"
 
     def _fail(self, fn: str) -> BadInput:
         return BadInput(f"{fn}: {self.lib.kdtree_last_error().decode(errors='replace')}")

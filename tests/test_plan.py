@@ -154,3 +154,14 @@ def test_cli_table_json_and_bad_input(both_archs):
         r = runner.invoke(app, ["plan", "--library", lib, *args] if "--library" not in args else ["plan", *args])
         assert r.exit_code == code, (args, r.output)
         assert msg in r.output and "Traceback" not in r.output
+
+
+def test_a_library_from_other_sources_is_named_before_its_plan(both_archs, monkeypatch):
+    from kdev import build
+
+    lib = kplan.PlanLibrary(both_archs[1].library)
+    assert lib.stale_note() is None
+    monkeypatch.setattr(build, "source_hash", lambda *a: "f" * 64)
+    assert "kernels/ is now ffffffffffff: run 'kdev build'" in lib.stale_note()
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", str(both_archs[1].library), "--json"])
+    assert r.exit_code == 0 and "run 'kdev build'" in r.stderr and json.loads(r.stdout)["plans"]
