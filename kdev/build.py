@@ -401,6 +401,11 @@ def _write_latest(cfg: BuildConfig, res: BuildResult) -> None:
     atomic_write_bytes(cfg.output_dir / LATEST, json.dumps(doc, indent=2).encode())
 
 
+def library_file(library: Path) -> Path:
+    """A build folder stands for the library in it."""
+    return library / LIB_NAME if library.is_dir() and (library / LIB_NAME).is_file() else library
+
+
 def latest_library(output_dir: Path | None = None) -> Path | None:
     """The library the last successful `kdev build` produced (KDEV_LIB overrides)."""
     env = os.environ.get("KDEV_LIB")

@@ -482,7 +482,8 @@ def plan_cmd(
         "deploy target's (configs/deploy.yaml target_arch)."),
     sms: Optional[int] = typer.Option(None, "--sms", help="Plan for this many SMs instead of the GPU's."),
     call: str = typer.Option("flash", "--call", help="flash or flash-portable (the kernels within sm_120's 99 KB)."),
-    library: Optional[Path] = typer.Option(None, "--library", help="Library to ask (default: the last build)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to ask (default: "
+                                           "the last build)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default configs/bench.yaml)."),
     json_out: bool = JsonOpt,
 ):
@@ -498,7 +499,7 @@ def plan_cmd(
     path = library or build.latest_library()
     if path is None:
         raise EnvironmentMissing("no library built (build/latest.json missing): run 'kdev build'")
-    planner = kplan.PlanLibrary(Path(path))
+    planner = kplan.PlanLibrary(build.library_file(Path(path)))
     if planner.stale_note():
         report.warn(planner.stale_note())
     doc = kplan.plan(planner, shapes, gpu, call)
@@ -593,7 +594,9 @@ def sass_cmd(
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:
     """kdev sass --against: every matching kernel's machine code in lib against base's."""
-    base, lib = sass.library_file(base), sass.library_file(lib)
+    from kdev.build import library_file
+
+    base, lib = library_file(base), library_file(lib)
     rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
     differ = [r for r in rows if r["status"] != "same"]
     if json_out:

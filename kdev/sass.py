@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev.build import LIB_NAME, demangle, find_cuobjdump, find_nvcc
+from kdev.build import demangle, find_cuobjdump, find_nvcc, library_file
 from kdev.errors import BadInput, EnvironmentMissing
 
 _RE_ARCH = re.compile(r"^\s*code for (sm_\w+)")
@@ -192,11 +192,6 @@ def report(functions: list[Function], kernel: str, archs: list[str] | None = Non
             if r["hmma"]:
                 rows.append({"arch": arch, "kernel": name, **r})
     return rows
-
-
-def library_file(library: Path) -> Path:
-    """A build folder stands for the library in it."""
-    return library / LIB_NAME if library.is_dir() and (library / LIB_NAME).is_file() else library
 
 
 def dump(library: Path) -> str:
