@@ -47,11 +47,21 @@ def gpu_here() -> GpuSpec | None:
 
     ident = gpu.current_gpu().to_dict()
     pr = torch.cuda.get_device_properties(ident["index"])
+    known = next((g for g in load_gpus().values() if g.name == pr.name), None)
+
+    def prop(attr: str, field: str) -> int:  # an older torch may not report it: the table's figure for this GPU
+        value = getattr(pr, attr, None) or (getattr(known, field) if known else None)
+        if value is None:
+            raise EnvironmentMissing(f"torch {torch.__version__} does not report {attr} for {pr.name}, and "
+                                     f"configs/gpus.yaml has no GPU of that name: name one with --gpu")
+        return int(value)
+
     ceil = bench.load_ceilings(ident) or {}
     return GpuSpec(key="this GPU", name=pr.name, arch=ident["arch"], sms=pr.multi_processor_count,
-                   smem_per_block_optin=pr.shared_memory_per_block_optin,
-                   smem_per_sm=pr.shared_memory_per_multiprocessor, threads_per_sm=pr.max_threads_per_multi_processor,
-                   registers_per_sm=pr.regs_per_multiprocessor, flops=ceil.get("flops"),
+                   smem_per_block_optin=prop("shared_memory_per_block_optin", "smem_per_block_optin"),
+                   smem_per_sm=prop("shared_memory_per_multiprocessor", "smem_per_sm"),
+                   threads_per_sm=prop("max_threads_per_multi_processor", "threads_per_sm"),
+                   registers_per_sm=prop("regs_per_multiprocessor", "registers_per_sm"), flops=ceil.get("flops"),
                    bytes_per_s=ceil.get("bytes_per_s"), ceilings_measured=bool(ceil),
                    ceilings_source=ceil.get("source", "kdev bench --ceilings") if ceil else "")
 

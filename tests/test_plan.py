@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from kdev import bench, config
 from kdev import plan as kplan
 from kdev.cli import app
-from kdev.errors import BadInput
+from kdev.errors import BadInput, EnvironmentMissing
 
 pytestmark = pytest.mark.nvcc
 
@@ -118,6 +118,13 @@ def test_the_gpu_here_from_its_device_properties(monkeypatch):
     for f in ("name", "arch", "sms", "smem_per_block_optin", "smem_per_sm", "threads_per_sm", "registers_per_sm",
               "flops", "bytes_per_s"):
         assert getattr(here, f) == getattr(h200, f), f
+    # a torch that does not report a figure: the table's, for a GPU it names; otherwise one line asking for --gpu
+    del props.regs_per_multiprocessor
+    assert kplan.resolve_gpu(None).registers_per_sm == 65536
+    props.name = "NVIDIA A100-SXM4-80GB"
+    monkeypatch.setattr(gpu, "current_gpu", lambda: gpu.GpuIdentity(0, props.name, "sm_80", "GPU-none", None))
+    with pytest.raises(EnvironmentMissing, match="does not report regs_per_multiprocessor for NVIDIA A100"):
+        kplan.resolve_gpu(None)
 
 
 def test_bench_takes_only_measured_ceilings_from_the_gpu_table():
