@@ -25,6 +25,11 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout 
 # the shapes of kdev bench and kdev plan: a named sweep (their own --sweep default), or these
 ShapeOpt = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,H=8 (repeatable).")
 AxisOpt = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable).")
+# verify and bench: another GPU's split plan, run on this one
+PlanGpuOpt = typer.Option(
+    None, "--plan-gpu", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. rtx-pro-6000 with --kernel "
+    "flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts and workspace, "
+    "run here.")
 
 
 def command(fn):
@@ -212,9 +217,7 @@ def verify_cmd(
     max_nodes: Optional[int] = typer.Option(None, "--max-nodes", min=1, help="Fuzz: largest tree (default: kernel max)."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run vectors made by older reference sources."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
-    plan_gpu_name: Optional[str] = typer.Option(
-        None, "--plan-gpu", help="Plan the flash calls as for this GPU of configs/gpus.yaml (its SM count: its split "
-        "plan and workspace, run here), e.g. rtx-pro-6000 with --kernel flash-portable: the target's kernels and plan."),
+    plan_gpu_name: Optional[str] = PlanGpuOpt,
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
 ):
@@ -222,10 +225,10 @@ def verify_cmd(
     import secrets
 
     from kdev import abi, vectors, verify
-    from kdev.plan import resolve_gpu
+    from kdev.plan import plan_target
 
     kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
-    plan_gpu = resolve_gpu(plan_gpu_name, option="--plan-gpu") if plan_gpu_name else None
+    plan_gpu = plan_target(plan_gpu_name) if plan_gpu_name else None
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
         from kdev import gpu
@@ -261,7 +264,7 @@ def verify_cmd(
                          "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
         title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
         if plan_gpu:
-            title += f", flash calls planned as for {plan_gpu.name} ({plan_gpu.sms} SMs)"
+            title += f", flash calls planned as for {plan_gpu.label}"
         columns = ["case", "kernel", "max |err| out", "cos diff", "max |err| lse", "token-exact", "verdict"]
         if rows:
             report.show(report.table(title, columns, rows, {"left": ("case", "kernel")}))
@@ -336,6 +339,7 @@ def bench_cmd(
     seed: int = typer.Option(0, "--seed", help="Input seed."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    plan_gpu_name: Optional[str] = PlanGpuOpt,
     json_out: bool = JsonOpt,
 ):
     """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings (and, with the
@@ -359,6 +363,9 @@ def bench_cmd(
         from kdev import abi, gpu
 
         shapes = bench.expand(cfg, sweep, shape, axis)  # bad shapes are exit 2 even without a GPU
+        from kdev.plan import plan_target
+
+        plan = plan_target(plan_gpu_name) if plan_gpu_name else None  # and a bad --plan-gpu
         gpu.require_cuda("kdev bench")
         peers = {}
         for spec in peer or []:
@@ -372,6 +379,8 @@ def bench_cmd(
             raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
                                      param_hint="--normalize-by")
         lib = abi.load_library(library, report.info)
+        if plan:
+            lib.plan_as(plan.sms)
         if ceilings:
             import torch
 
@@ -400,6 +409,7 @@ def bench_cmd(
         with report.progress(f"bench {sweep or ('shape' if shape else 'smoke')}", len(shapes) * len(backends)) as adv:
             if attention:
                 res, prov = bench.run_bench(shapes, attention, cfg, lib, peers, seed, adv)
+                prov["plan"] = plan.to_dict() if plan else None
                 results += res
             if tree:
                 res, prov = bench.run_tree_bench(shapes, tree, cfg, lib, seed, adv)
@@ -449,8 +459,12 @@ def bench_cmd(
         prov = doc["provenance"]
         ceil = prov.get("ceilings")
         ceil_s = (f"{ceil['flops'] / 1e12:.0f} TFLOP/s, {ceil['bytes_per_s'] / 1e9:.0f} GB/s" if ceil else "unknown ceilings")
-        report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s})", cols, rows,
-                                 {"left": ("shape", "backend")}))
+        from kdev.plan import PlanTarget
+
+        planned = prov.get("plan")
+        plan_s = f"; flash calls planned as for {PlanTarget.from_dict(planned).label}" if planned else ""
+        report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s}{plan_s})", cols,
+                                 rows, {"left": ("shape", "backend")}))
         for r in results:
             if not r["agrees"]:
                 report.error(f"{r['shape']} / {r['backend']}: {r['check']}")

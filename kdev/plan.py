@@ -92,6 +92,38 @@ def resolve_gpu(name: str | None, sms: int | None = None, gpus_path: Path | None
     return found
 
 
+@dataclass(frozen=True)
+class PlanTarget:
+    """What --plan-gpu names for verify and bench: a GPU of configs/gpus.yaml (its SM count, and its arch for the
+    ledger) or a bare SM count. The flash calls are then planned as for that many SMs (VerifyAttnParams.plan_sm_count)."""
+
+    sms: int
+    key: str | None = None
+    name: str | None = None
+    arch: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.sms} SMs)" if self.name else f"{self.sms} SMs"
+
+    def to_dict(self) -> dict:
+        return {"gpu": self.key, "name": self.name, "arch": self.arch, "sms": self.sms}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlanTarget":
+        return cls(d["sms"], d.get("gpu"), d.get("name"), d.get("arch"))
+
+
+def plan_target(value: str, option: str = "--plan-gpu") -> PlanTarget:
+    if value.strip().isdigit():
+        sms = int(value)
+        if sms < 1:
+            raise BadInput(f"{option} {value}: an SM count must be >= 1")
+        return PlanTarget(sms)
+    g = resolve_gpu(value, option=option)
+    return PlanTarget(g.sms, g.key, g.name, g.arch)
+
+
 # -------------------------------------------------------------------------------------------- library
 class PlanLibrary:
     """The library's two plan entry points (host code only: loading it needs no GPU) and its build record."""

@@ -385,9 +385,8 @@ def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
 def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: abi.Library, gpu: dict,
                 suite: dict, plan_gpu=None) -> dict:
     per = summarize(results, kernels)
-    # plan: the GPU whose split plan the flash calls took (kdev verify --plan-gpu); None: this GPU's own
-    plan = ({"gpu": plan_gpu.key, "name": plan_gpu.name, "arch": plan_gpu.arch, "sms": plan_gpu.sms}
-            if plan_gpu else None)
+    # plan: the GPU (or SM count) whose split plan the flash calls took (kdev verify --plan-gpu); None: this GPU's own
+    plan = plan_gpu.to_dict() if plan_gpu else None
     return {
         "schema_version": LEDGER_SCHEMA, "timestamp": now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
@@ -435,7 +434,7 @@ def open_checked_suite(suite_ref: str, allow_stale: bool = False, warn=None) -> 
 
 
 def load_planned_library(lib_path, log, plan_gpu) -> abi.Library:
-    """The library to verify, its flash calls planned as for plan_gpu (a config.GpuSpec) where given."""
+    """The library to verify, its flash calls planned as for plan_gpu (a plan.PlanTarget) where given."""
     lib = abi.load_library(lib_path, log)
     if plan_gpu is not None:
         lib.plan_as(plan_gpu.sms)

@@ -151,6 +151,18 @@ def test_no_gpu_is_exit_3():
     assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
 
 
+def test_a_stored_run_under_another_gpus_plan_says_so_and_a_bad_plan_is_exit_2(tmp_path):
+    doc = _doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0)])
+    doc["provenance"]["plan"] = {"gpu": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell", "arch": "sm_120",
+                                 "sms": 188}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "--from", str(f)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "flash calls planned as for NVIDIA RTX PRO 6000 Blackwell (188 SMs)" in r.output
+    r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--plan-gpu", "a100"])
+    assert r.exit_code == 2 and "--plan-gpu 'a100': not in configs/gpus.yaml" in r.output
+
+
 def test_tree_kernel_sweep_and_backend_validation(write_yaml):
     cfg = bench.load_bench()
     shapes = bench.expand(cfg, "tree-kernels", None, None)

@@ -4,6 +4,7 @@ concurrent writers, and suites refused before anything runs."""
 import threading
 
 import numpy as np
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -192,7 +193,9 @@ def test_fuzz_summary_keeps_the_worst_of_every_metric():
 
 
 def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
-    from kdev import abi, config
+    from kdev import abi
+    from kdev.errors import BadInput
+    from kdev.plan import plan_target
 
     class Lib:
         build_info, path, planned = {"source_hash": "abc"}, "lib.so", None
@@ -201,10 +204,15 @@ def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
             self.planned = n
 
     monkeypatch.setattr(abi, "load_library", lambda *a: Lib())
-    target = config.load_gpus()["rtx-pro-6000"]
+    target = plan_target("rtx-pro-6000")
     lib = verify.load_planned_library(None, None, target)
-    assert lib.planned == 188
+    assert lib.planned == 188 and target.label == "NVIDIA RTX PRO 6000 Blackwell (188 SMs)"
     assert verify.load_planned_library(None, None, None).planned is None  # this GPU's own plan: nothing set
     rec = verify.make_record("fuzz", [], ["flash-portable"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"}, target)
     assert rec["plan"] == {"gpu": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell", "arch": "sm_120", "sms": 188}
     assert verify.make_record("fuzz", [], ["flash"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"})["plan"] is None
+    # a bare SM count: no GPU and no arch (deploy-check does not count it as the target's plan)
+    assert plan_target("96").to_dict() == {"gpu": None, "name": None, "arch": None, "sms": 96}
+    assert plan_target("96").label == "96 SMs"
+    with pytest.raises(BadInput, match="--plan-gpu 0: an SM count must be >= 1"):
+        plan_target("0")
