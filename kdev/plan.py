@@ -126,7 +126,8 @@ def plan_target(value: str, option: str = "--plan-gpu") -> PlanTarget:
 
 # -------------------------------------------------------------------------------------------- library
 class PlanLibrary:
-    """The library's two plan entry points (host code only: loading it needs no GPU) and its build record."""
+    """The library's two plan entry points (host code only: loading it needs no GPU) and its build record. Bound here,
+    as build.py binds kdtree_flash_launch_plan, rather than in abi.py, which needs torch: a plan needs no GPU stack."""
 
     def __init__(self, path: Path):
         try:
