@@ -13,8 +13,6 @@ from kdev import plan as kplan
 from kdev.cli import app
 from kdev.errors import BadInput, EnvironmentMissing
 
-pytestmark = pytest.mark.nvcc
-
 # The seven target shapes on the H200: (splits, full-tile CTAs, narrow CTAs, waves), as Nsight Compute and the
 # timeline probe saw the grids there (NOTES.md: "where a v24 call's time goes", "the timeline probe run").
 H200_TARGETS = {
@@ -29,7 +27,7 @@ H200_TARGETS = {
 
 
 @pytest.fixture(scope="module")
-def library(both_archs):
+def library(both_archs):  # both_archs skips where there is no nvcc
     return kplan.PlanLibrary(both_archs[1].library)
 
 
@@ -50,8 +48,9 @@ def test_h200_plans_are_the_grids_measured_there(library):
         assert p["kv_read_bytes"] == p["row_tiles"] * p["kv_bytes"] == p["row_tiles"] * B * (p["axes"]["prefix"] + T) * 1152
         assert 0 < p["slot_use"] <= 1 and 0 < p["row_use"] <= 1
     floor = {p["shape"]: p["floor_us"] for p in doc["plans"]}
-    # the issue's floors (58, 233, 233, 119, 15, 116, 465 µs) from 638 TFLOP/s and 3,984 GB/s
-    assert [round(floor[s]) for s in H200_TARGETS] == [58, 233, 233, 118, 15, 116, 466]
+    # the issue's floors (58, 233, 233, 119, 15, 116, 465 µs, rounded its own way) from 638 TFLOP/s and 3,984 GB/s
+    issue = [58, 233, 233, 119, 15, 116, 465]
+    assert all(abs(floor[s] - f) < 1 for s, f in zip(H200_TARGETS, issue)), floor
     assert doc["largest_workspace"] == {"shape": "B16-L8192-N32-H8-p64", "bytes": 7 * 16 * 33 * 8 * 513 * 4}
 
 
