@@ -499,6 +499,8 @@ def plan_cmd(
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to ask (default: "
                                            "the last build)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default configs/bench.yaml)."),
+    costs: bool = typer.Option(False, "--costs", help="Also the planner's model cost of the choices it weighed "
+                               "(split count, narrow span), the cheapest first, against the one it took."),
     json_out: bool = JsonOpt,
 ):
     """What the flash call launches at DDTree shapes on a GPU (no GPU needed): kernels, row tiles, KV splits, CTAs
@@ -516,7 +518,7 @@ def plan_cmd(
     planner = kplan.PlanLibrary(build.library_file(Path(path)))
     if planner.stale_note():
         report.warn(planner.stale_note())
-    doc = kplan.plan(planner, shapes, gpu, call)
+    doc = kplan.plan(planner, shapes, gpu, call, costs)
     if json_out:
         report.emit_json(doc)
         return
@@ -538,6 +540,20 @@ def plan_cmd(
         f"{call} plan on {gpu.name} ({gpu.arch}, {gpu.sms} SMs; {ceil})",
         ["shape", "full-tile kernel", "row tiles", "splits", "CTAs", "waves x slots", "slot use", "row use",
          "KV read by CTAs", "workspace", "floor µs"], rows, {"left": ("shape", "full-tile kernel")}))
+    if costs:
+        def choice(c: dict) -> str:
+            return f"{c['splits']}/{c['narrow_span']}: {c['cost_tiles']:,.1f} ({100 * (c['relative'] - 1):+.1f}%)"
+
+        rows = []
+        for p in doc["plans"]:
+            cs = p["split_costs"]
+            taken = next(c for c in cs if c["splits"] == p["splits"] and c["narrow_span"] == max(p["narrow_span"], 1))
+            one = next(c for c in cs if c["splits"] == 1 and c["narrow_span"] == 1)
+            rows.append([p["shape"], choice(taken), "  ".join(choice(c) for c in cs[:4]), choice(one)])
+        report.show(report.table(
+            "the planner's model (KV tiles: waves x the longest CTA's tiles + 6; splits/narrow span: cost, over the "
+            "cheapest)", ["shape", "taken", "cheapest four", "one split"], rows,
+            {"left": ("shape", "taken", "cheapest four", "one split")}))
     big = doc["largest_workspace"]
     if big and big["bytes"]:
         report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "

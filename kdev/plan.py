@@ -15,6 +15,7 @@ figures. What this module adds is arithmetic on that plan, each figure named for
 - row use: the requests' rows (T x H) over the rows the tensor cores compute (64 per full row tile, 16 per narrow one).
 - KV read: every row tile's CTAs read the request's whole KV range (L2 -> SM traffic), against the KV in memory once.
 - floor: the larger of FLOPs over the GPU's mma.sync ceiling and bytes over its memory ceiling (as kdev bench).
+With costs, each plan also carries the planner's own model cost of every choice it weighed (kdtree_flash_split_cost).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ THREADS = 256  # 8 warps per flash CTA
 RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
 KV_ROW_BYTES = 576 * 2
 CALLS = ("flash", "flash-portable")
+MAX_SPLITS_ASKED = 256  # past the combine's cap (kMaxSplits): the library answers infinity there
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -140,6 +142,10 @@ class PlanLibrary:
         L.kdtree_flash_plan.argtypes = [i] * 7 + [n, n, n, n, s]
         name = ctypes.POINTER(ctypes.c_char_p)
         L.kdtree_flash_launch_plan.argtypes = [i] * 4 + [name, n, name, n]
+        # a library from before the planner's costs were exposed still plans; only --costs needs the entry
+        self.has_costs = hasattr(L, "kdtree_flash_split_cost")
+        if self.has_costs:
+            L.kdtree_flash_split_cost.argtypes = [i] * 8 + [ctypes.POINTER(ctypes.c_double)]
         L.kdtree_last_error.restype = ctypes.c_char_p
         L.kdtree_build_info.restype = ctypes.c_char_p
         self.lib, self.path = L, path
@@ -168,6 +174,21 @@ class PlanLibrary:
         m_tiles, splits, span, groups = (x.value for x in out)
         return {"row_tiles": m_tiles, "splits": splits, "narrow_span": span, "combine_groups": groups,
                 "workspace_bytes": ws.value}
+
+    def split_costs(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int,
+                    gpu: GpuSpec) -> list[dict]:
+        """The planner's model cost (KV tiles) of every choice it may take for these bounds, cheapest first."""
+        if not self.has_costs:
+            raise EnvironmentMissing(f"{self.path}: built from sources without kdtree_flash_split_cost: run 'kdev build'")
+        out, cost = [], ctypes.c_double()
+        for span in (1, 2):
+            for splits in range(1, MAX_SPLITS_ASKED + 1):
+                if self.lib.kdtree_flash_split_cost(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, splits, span,
+                                                    ctypes.byref(cost)):
+                    raise self._fail("kdtree_flash_split_cost")
+                if math.isfinite(cost.value):
+                    out.append({"splits": splits, "narrow_span": span, "cost_tiles": cost.value})
+        return sorted(out, key=lambda c: (c["cost_tiles"], c["splits"]))
 
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
         full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
@@ -227,6 +248,15 @@ def split_tiles(kv_len: int, splits: int) -> list[int]:
     return [math.ceil(max(0, min(chunk, kv_len - s * chunk)) / BLOCK_N) for s in range(splits)]
 
 
+def split_costs(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec) -> list[dict]:
+    """Every choice of split count and narrow span the planner weighs at this shape, with its model cost, cheapest
+    first, and each one's cost over the cheapest (the plan takes the cheapest, or within 0.1 % fewer splits)."""
+    costs = lib.split_costs(shape.batch, shape.batch * shape.T, shape.heads, shape.T, shape.prefix + shape.T, gpu)
+    for c in costs:
+        c["relative"] = c["cost_tiles"] / costs[0]["cost_tiles"]
+    return costs
+
+
 def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "flash") -> ShapePlan:
     T, H, B, L = shape.T, shape.heads, shape.batch, shape.prefix
     kv_len = L + T
@@ -262,10 +292,14 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
         kv_read_bytes=kv_bytes * p["row_tiles"], floor_us=floor, bound=bound or "-")
 
 
-def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash") -> dict:
+def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash", costs: bool = False) -> dict:
     if call not in CALLS:
         raise BadInput(f"--call {call!r}: one of {', '.join(CALLS)}")
     plans = [plan_shape(lib, s, gpu, call) for s in shapes]
     largest = max(plans, key=lambda x: x.workspace_bytes, default=None)
-    return {"gpu": asdict(gpu), "library": str(lib.path), "call": call, "plans": [asdict(x) for x in plans],
+    docs = [asdict(x) for x in plans]
+    if costs:
+        for d, s in zip(docs, shapes):
+            d["split_costs"] = split_costs(lib, s, gpu)
+    return {"gpu": asdict(gpu), "library": str(lib.path), "call": call, "plans": docs,
             "largest_workspace": {"shape": largest.shape, "bytes": largest.workspace_bytes} if largest else None}

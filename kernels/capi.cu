@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kdev/ddtree.cuh"
+#include "kdev/flash_plan.cuh"
 #include "kdev/verify_attn.cuh"
 
 namespace {
@@ -247,6 +248,19 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
                                                                        sm_count, threads_per_sm)
                                         : 0;
   *workspace_bytes = plan.workspace_bytes;
+  return KDTREE_OK;
+}
+
+// The planner's model cost, in KV tiles, of one choice for the same shape bounds: `splits` KV splits with a narrow CTA
+// over `narrow_span` of them (1 where there is no narrow tile); +infinity for a choice the planner may not take. The
+// plan is the cheapest choice (kdtree_flash_plan); this says by how much (`kdev plan --costs`). Needs no GPU.
+int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
+                            int splits, int narrow_span, double* cost) {
+  g_last_error[0] = '\0';
+  if (cost == nullptr) return fail(KDTREE_ERR_INVALID, "cost is NULL");
+  if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
+  if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
+  *cost = kdtree::flash_split_cost(batch, max_qlen, num_heads, max_kv_len, sm_count, splits, narrow_span);
   return KDTREE_OK;
 }
 

@@ -171,3 +171,39 @@ def test_a_library_from_other_sources_is_named_before_its_plan(both_archs, monke
     assert "kernels/ is now ffffffffffff: run 'kdev build'" in lib.stale_note()
     r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", str(both_archs[1].library), "--json"])
     assert r.exit_code == 0 and "run 'kdev build'" in r.stderr and json.loads(r.stdout)["plans"]
+
+
+def test_the_planners_costs_say_why_it_took_its_plan(library):
+    """The plan is the cheapest choice of the planner's model, or one within 0.1 % with fewer splits; the model's costs
+    come from the library (kdtree_flash_split_cost), so `kdev plan --costs` shows the margins the plan was taken by."""
+    for gpu in (kplan.resolve_gpu("h200"), kplan.resolve_gpu("rtx-pro-6000")):
+        for shape, p in zip(targets(), kplan.plan(library, targets(), gpu, costs=True)["plans"]):
+            costs = p["split_costs"]
+            assert costs[0]["relative"] == 1 and all(c["relative"] >= 1 for c in costs)
+            taken = [c for c in costs if (c["splits"], c["narrow_span"]) == (p["splits"], max(p["narrow_span"], 1))]
+            assert len(taken) == 1 and taken[0]["relative"] < 1.001, (gpu.key, shape.name)
+            assert not [c for c in costs if c["relative"] < 0.999 or (c["relative"] < 1.001 and c["splits"] < p["splits"])]
+            assert max(c["splits"] for c in costs) <= 64  # the combine's cap: past it, infinity (left out)
+            assert {c["narrow_span"] for c in costs} == ({1, 2} if p["narrow_kernel"] else {1})
+    # H64 on the RTX PRO 6000: 14 splits in 5 waves against one wave at 2, by the model's 6-tile fixed cost
+    h64 = kplan.split_costs(library, targets()[-1], kplan.resolve_gpu("rtx-pro-6000"))
+    two = next(c for c in h64 if c["splits"] == 2)
+    assert h64[0]["splits"] == 14 and 1.3 < two["relative"] < 1.32
+
+
+def test_costs_cli_and_a_library_without_them(library, both_archs, monkeypatch):
+    lib = str(both_archs[1].library)
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", lib, "--costs"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "the planner's model" in r.output and "15/2:" in r.output
+    monkeypatch.setattr(kplan.PlanLibrary, "__init__", _without_costs(kplan.PlanLibrary.__init__))
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", lib, "--costs"])
+    assert r.exit_code == 3 and "without kdtree_flash_split_cost" in r.output
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", lib])  # the plan itself needs no costs
+    assert r.exit_code == 0, r.output
+
+
+def _without_costs(init):
+    def wrapped(self, path):
+        init(self, path)
+        self.has_costs = False
+    return wrapped
