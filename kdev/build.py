@@ -199,6 +199,30 @@ def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
     return res
 
 
+def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
+    """The loaded library's kdtree_flash_launch_plan as ask(major, smem_optin, tensor_copy, portable) -> {full,
+    full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such a GPU and the dynamic
+    shared memory per block of each. A refusal raises `error` with the library's message. None for a library without
+    the entry point."""
+    fn = getattr(L, "kdtree_flash_launch_plan", None)
+    if fn is None:
+        return None
+    name, size = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int)
+    fn.argtypes = [ctypes.c_int] * 4 + [name, size, name, size]
+    fn.restype = ctypes.c_int
+    L.kdtree_last_error.restype = ctypes.c_char_p
+
+    def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool) -> dict:
+        full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
+        if fn(major, smem_optin, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
+              ctypes.byref(narrow), ctypes.byref(narrow_smem)):
+            raise error(f"kdtree_flash_launch_plan(major {major}): {L.kdtree_last_error().decode(errors='replace')}")
+        return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
+                "narrow_smem": narrow_smem.value}
+
+    return ask
+
+
 def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
     """What the flash calls launch on each arch of cfg and the dynamic shared memory per block each kernel takes
     (which the ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan,
@@ -208,13 +232,9 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
         L = ctypes.CDLL(str(lib))
     except OSError as e:  # what verify and bench would meet too: the build is not usable
         raise CheckFailed(f"the built library does not load: {e}") from None
-    plan = getattr(L, "kdtree_flash_launch_plan", None)
-    if plan is None:
+    ask = launch_plan_entry(L)
+    if ask is None:
         return None
-    name, size = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int)
-    plan.argtypes = [ctypes.c_int] * 4 + [name, size, name, size]
-    plan.restype = ctypes.c_int
-    L.kdtree_last_error.restype = ctypes.c_char_p
     rows: dict[tuple, dict] = {}
     for arch in cfg.archs:
         major, limit = int(arch[3:].rstrip("a")) // 10, cfg.smem_limit_bytes.get(arch.rstrip("a"))
@@ -222,14 +242,10 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
             continue
         for portable in (False, True):
             for tensor_copy in ((True, False) if major >= 9 else (False,)):
-                full, full_smem, narrow, narrow_smem = (ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(),
-                                                        ctypes.c_int())
-                if plan(major, limit, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
-                        ctypes.byref(narrow), ctypes.byref(narrow_smem)) != 0:
-                    raise CheckFailed(f"kdtree_flash_launch_plan({arch}): {L.kdtree_last_error().decode()}")
+                k = ask(major, limit, tensor_copy, portable)
                 call = (("flash-portable" if portable else "flash")
                         + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
-                for kernel, smem in ((full.value.decode(), full_smem.value), (narrow.value.decode(), narrow_smem.value)):
+                for kernel, smem in ((k["full"], k["full_smem"]), (k["narrow"], k["narrow_smem"])):
                     row = rows.setdefault((arch, kernel), {"arch": arch, "kernel": kernel, "dynamic_smem": smem,
                                                            "limit": limit, "calls": []})
                     row["calls"].append(call)

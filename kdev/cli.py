@@ -516,8 +516,9 @@ def plan_cmd(
     if path is None:
         raise EnvironmentMissing("no library built (build/latest.json missing): run 'kdev build'")
     planner = kplan.PlanLibrary(build.library_file(Path(path)))
-    if planner.stale_note():
-        report.warn(planner.stale_note())
+    stale = planner.stale_note()
+    if stale:
+        report.warn(stale)
     doc = kplan.plan(planner, shapes, gpu, call, costs)
     if json_out:
         report.emit_json(doc)
@@ -589,9 +590,11 @@ def sass_cmd(
     lib = library or kbuild.latest_library()
     if lib is None:
         raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
+    lib = kbuild.library_file(Path(lib))  # a build folder stands for the library in it
     archs = _split_archs(arch)
     if against is not None:
-        _sass_compare(sass, against, lib, "" if kernel is None else kernel, archs, expect_same, json_out)
+        _sass_compare(sass, kbuild.library_file(against), lib, "" if kernel is None else kernel, archs, expect_same,
+                      json_out)
         return
     kernel = "verify_attn_flash" if kernel is None else kernel
     rows = sass.report(sass.parse(sass.dump(lib)), kernel, archs)
@@ -624,9 +627,6 @@ def sass_cmd(
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:
     """kdev sass --against: every matching kernel's machine code in lib against base's."""
-    from kdev.build import library_file
-
-    base, lib = library_file(base), library_file(lib)
     rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
     differ = [r for r in rows if r["status"] != "same"]
     if json_out:

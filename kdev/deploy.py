@@ -205,15 +205,18 @@ def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=
         # flash call takes kernels that sm_120 cannot hold): without the proxy kernels, the target's kernels never ran.
         archs = ", ".join(sorted({r["gpu"].get("arch") for r in good}))
         proxy = ", ".join(cfg.proxy_kernels)
-        proxied = [r for r in records if r.get("passed") and r.get("source_hash") == src
-                   and all(r.get("kernels", {}).get(n, {}).get("passed") for n in cfg.proxy_kernels)]
-        if not any(r in good for r in proxied):
+        def proxy_passed(r: dict) -> bool:
+            return all(r.get("kernels", {}).get(n, {}).get("passed") for n in cfg.proxy_kernels)
+
+        if not any(proxy_passed(r) for r in good):
             return Probe("ledger", FAIL, f"verified only on {archs} ({where}, {age_s}) and not with {proxy}: the "
                          f"{cfg.target_arch} code path never ran ('kdev verify --kernel "
                          f"{','.join((*cfg.required_kernels, *cfg.proxy_kernels))}')", details)
-        # a proxy run that also took the target's split plan (kdev verify --plan-gpu) covers the target's grids too
-        planned = sorted({f"{r['plan']['gpu']}, {r['plan']['sms']} SMs" for r in proxied
-                          if (r.get("plan") or {}).get("arch") == cfg.target_arch})
+        # a proxy run (of these sources, any suite or fuzz run) that also took the target's split plan (kdev verify
+        # --plan-gpu) covers the target's grids too
+        planned = sorted({f"{r['plan']['gpu']}, {r['plan']['sms']} SMs" for r in records
+                          if r.get("passed") and r.get("source_hash") == src and proxy_passed(r)
+                          and (r.get("plan") or {}).get("arch") == cfg.target_arch})
         plan_note = (f" and the {cfg.target_arch} split plan ({'; '.join(planned)})" if planned else
                      f"; not yet with a {cfg.target_arch} GPU's split plan ('kdev verify --kernel {proxy} "
                      f"--plan-gpu ...')")

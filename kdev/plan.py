@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kdev import bench
+from kdev.build import launch_plan_entry
 from kdev.config import REPO_ROOT, GpuSpec, load_gpus
 from kdev.errors import BadInput, EnvironmentMissing
 
@@ -128,20 +129,20 @@ def plan_target(value: str, option: str = "--plan-gpu") -> PlanTarget:
 
 # -------------------------------------------------------------------------------------------- library
 class PlanLibrary:
-    """The library's two plan entry points (host code only: loading it needs no GPU) and its build record. Bound here,
-    as build.py binds kdtree_flash_launch_plan, rather than in abi.py, which needs torch: a plan needs no GPU stack."""
+    """The library's plan entry points (host code only: loading it needs no GPU) and its build record. Bound here and in
+    build.py (kdtree_flash_launch_plan: launch_plan_entry) rather than in abi.py, which needs torch: a plan needs no
+    GPU stack."""
 
     def __init__(self, path: Path):
         try:
             L = ctypes.CDLL(str(path))
         except OSError as e:
             raise EnvironmentMissing(f"{path}: does not load: {e}") from None
-        if not hasattr(L, "kdtree_flash_plan") or not hasattr(L, "kdtree_flash_launch_plan"):
+        self.launch_plan = launch_plan_entry(L, error=BadInput)
+        if not hasattr(L, "kdtree_flash_plan") or self.launch_plan is None:
             raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
         i, n, s = ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
         L.kdtree_flash_plan.argtypes = [i] * 7 + [n, n, n, n, s]
-        name = ctypes.POINTER(ctypes.c_char_p)
-        L.kdtree_flash_launch_plan.argtypes = [i] * 4 + [name, n, name, n]
         # a library from before the planner's costs were exposed still plans; only --costs needs the entry
         self.has_costs = hasattr(L, "kdtree_flash_split_cost")
         if self.has_costs:
@@ -191,13 +192,7 @@ class PlanLibrary:
         return sorted(out, key=lambda c: (c["cost_tiles"], c["splits"]))
 
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
-        full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
-        if self.lib.kdtree_flash_launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable,
-                                             ctypes.byref(full), ctypes.byref(full_smem), ctypes.byref(narrow),
-                                             ctypes.byref(narrow_smem)):
-            raise self._fail("kdtree_flash_launch_plan")
-        return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
-                "narrow_smem": narrow_smem.value}
+        return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable)
 
     def ctas_per_sm(self, kernel: str, dynamic_smem: int, gpu: GpuSpec) -> int:
         if self.resources is None:

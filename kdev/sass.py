@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev.build import demangle, find_cuobjdump, find_nvcc, library_file
+from kdev.build import demangle, find_cuobjdump, find_nvcc
 from kdev.errors import BadInput, EnvironmentMissing
 
 _RE_ARCH = re.compile(r"^\s*code for (sm_\w+)")
@@ -195,8 +195,7 @@ def report(functions: list[Function], kernel: str, archs: list[str] | None = Non
 
 
 def dump(library: Path) -> str:
-    """The library's SASS as cuobjdump prints it (a build folder stands for the library in it)."""
-    library = library_file(library)
+    """The library's SASS as cuobjdump prints it."""
     if not library.is_file():
         raise BadInput(f"{library}: no such library")
     try:
