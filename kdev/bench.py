@@ -8,9 +8,10 @@ Shapes: batch B, prefix L, budget N (T = N + 1 tree rows from a DDTree built by 
 synthetic drafter distributions), heads H, page size, tree kind. Inputs are random on the GPU (never zeros)
 and the page table is shuffled. FLOPs = 2·H·Σ_b T_b·(L_b+T_b)·(576+512); bytes >= Σ_b (L_b+T_b)·576·2 + q + out.
 
-Peers: torch-eager (float32 einsum with the mask) and torch-sdpa (scaled_dot_product_attention with a boolean
-mask) get the request's KV gathered into contiguous tensors before timing (the flash and naive kernels read
-the paged cache themselves). A `--peer module:function` is called as
+Peers: triton (kdev/triton_peer.py: the flash kernel's tiling written in Triton, split-KV included; it reads the
+paged cache itself, like the flash and naive kernels; needs the `peers` extra), torch-eager (float32 einsum with
+the mask) and torch-sdpa (scaled_dot_product_attention with a boolean mask); the torch peers get the request's KV
+gathered into contiguous tensors before timing. A `--peer module:function` is called as
     fn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale) -> out  or  (out, lse)
 with the contract's tensors (DESIGN §2) and must return out [N_q, H, 512] (any float dtype).
 Every backend's output is checked against the naive oracle before it is timed, and the output of its last
@@ -35,8 +36,10 @@ from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _R
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
-ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "torch-eager", "torch-sdpa")
+ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "triton", "torch-eager", "torch-sdpa")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
+# a backend's lse (fp32, natural log) against the naive oracle's, where the backend returns one
+PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 
 
@@ -333,6 +336,23 @@ class TorchSdpaRunner(Runner):
             self.out[r0:r1] = o[0].permute(1, 0, 2)
 
 
+class TritonRunner(Runner):
+    """kdev/triton_peer.py: the contract as a Triton kernel (heads x nodes packed, split-KV, a Triton combine)
+    reading the paged cache itself; its tile size is the first that this GPU holds (recorded as `tiles`)."""
+
+    def __init__(self, x):
+        import torch
+
+        from kdev import triton_peer
+
+        sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count
+        self.impl = triton_peer.TritonTreeVerify(x, sms)  # compiles and launches once
+        self.out, self.lse, self.splits, self.tiles = self.impl.out, self.impl.lse, self.impl.splits, str(self.impl.config)
+
+    def run(self) -> None:
+        self.impl()
+
+
 class PeerRunner(Runner):
     def __init__(self, fn, x):
         self.fn, self.x = fn, x
@@ -365,6 +385,8 @@ def make_runner(name: str, x, lib, peers: dict) -> Runner:
         return TorchEagerRunner(x)
     if name == "torch-sdpa":
         return TorchSdpaRunner(x)
+    if name == "triton":
+        return TritonRunner(x)
     if name in peers:
         return PeerRunner(peers[name], x)
     raise BadInput(f"unknown backend {name!r}")
@@ -585,6 +607,7 @@ class Result:
     check: str
     timing: dict | None
     splits: int | None = None
+    tiles: str | None = None  # the tile size a peer with a choice of them took on this GPU (triton)
 
     @property
     def median_us(self) -> float | None:
@@ -647,7 +670,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
             ok = c.passed
             reason = c.reason
             if ok and runner.lse is not None:
-                cl = compare("lse", runner.lse, ref_lse, Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8))
+                cl = compare("lse", runner.lse, ref_lse, PEER_LSE_TOLERANCE)
                 ok, reason = cl.passed, cl.reason
             timing = measure(runner.run, cfg.method, flush, nvml, handle, runner.poison) if ok else None
             if timing is not None:
@@ -658,7 +681,8 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
                     ok, reason, timing = False, f"timed run: {c.reason}", None
             results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", ok,
                                   "ok" if ok else f"disagrees with naive: {reason}",
-                                  asdict(timing) if timing else None, getattr(runner, "splits", None)))
+                                  asdict(timing) if timing else None, getattr(runner, "splits", None),
+                                  getattr(runner, "tiles", None)))
             if progress:
                 progress(f"{shape.name} {name}")
             del runner

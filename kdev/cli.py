@@ -375,6 +375,15 @@ def bench_cmd(
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
+        if "triton" in backends and "triton" not in peers:
+            from kdev import triton_peer
+
+            if not triton_peer.available():
+                if backend:  # asked for by name: refused; from bench.yaml: left out, said once
+                    raise typer.BadParameter("triton needs the triton package (pip install -e '.[peers]')",
+                                             param_hint="--backend")
+                report.info("triton is not installed: the triton peer is left out (pip install -e '.[peers]')")
+                backends.remove("triton")
         if normalize_by and normalize_by not in backends:
             raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
                                      param_hint="--normalize-by")
@@ -437,7 +446,7 @@ def bench_cmd(
         for r in results:
             t = r["timing"]
             v = vmap.get((r["shape"], r["backend"]))
-            row = [r["shape"], r["backend"]]
+            row = [r["shape"], r["backend"] + (f" {r['tiles']}" if r.get("tiles") else "")]
             if t:
                 pct = f"{100 * r['floor_us'] / t['median_us']:.1f}%" if r["floor_us"] else "-"
                 x = sp.get((r["shape"], r["backend"]))

@@ -1,6 +1,7 @@
 """Shared fixtures. GPU tests carry @pytest.mark.gpu: skipped with a reason where no CUDA GPU is visible,
 and never skipped where one is."""
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from kdev import config as kconfig
 from kdev.errors import EnvironmentMissing
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Without a GPU the triton peer's tests run its kernels in Triton's interpreter, which Triton fixes when it is
+# imported (nothing has imported it yet); with a GPU they run compiled, on it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _have_nvcc() -> bool:

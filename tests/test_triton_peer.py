@@ -1,0 +1,134 @@
+"""The triton bench peer against the float64 reference on ragged batches, pages of 1, 16 and 64 tokens, split and
+unsplit plans, outputs poisoned with NaN first. Without a GPU its kernels run in Triton's interpreter (conftest.py
+chooses it), with one compiled on it."""
+
+import pytest
+import torch
+
+from kdev import abi, bench, triton_peer, vectors
+from kdev.compare import compare
+from kdev.config import CaseSpec, Tolerance, Tolerances, TreeSpec
+
+triton = pytest.importorskip("triton", reason="the triton peer needs the `peers` extra (pip install -e '.[peers]')")
+
+_TOL = Tolerances(out=bench.load_bench().method.tolerance, lse=bench.PEER_LSE_TOLERANCE)
+
+
+DEVICE = "cpu" if triton_peer.interpreting() else "cuda"
+
+
+def _case(prefix_lens, tree, heads, page_size, seed):
+    spec = CaseSpec("triton-peer", tuple(prefix_lens), tree, heads, page_size, seed, "kimi-k2.6", _TOL)
+    case = vectors.generate_case(spec)
+    return abi.VerifyInputs.from_case(case.tensors, case.scale, DEVICE), case.golden64
+
+
+@pytest.mark.parametrize("prefix_lens, tree, heads, page_size, tile, sms, want_splits", [
+    # ragged DDTree batch, pages of 64, a split plan (the combine kernel runs)
+    ((130, 7, 64), TreeSpec("ddtree", budget=12, depth=6, topk=4, vocab=500), 4, 64,
+     triton_peer.TileConfig(16, 16, 4, 1), 24, 2),
+    # pages of one token, a chain that crosses row tiles, one split (direct stores)
+    ((45,), TreeSpec("chain", nodes=9), 2, 1, triton_peer.TileConfig(16, 16, 4, 1), 1, 1),
+    # 32-row tiles over 16 heads: a tile holds two nodes with different masks; 32-token KV steps
+    ((40, 0), TreeSpec("random", nodes=11), 16, 16, triton_peer.TileConfig(32, 32, 4, 2), 40, 2),
+    # the tile list bench uses (64 x 32 first), a DDTree over 8 heads, 9 splits
+    ((300,), TreeSpec("ddtree", budget=16, depth=8, topk=4, vocab=500), 8, 64, None, 24, None),
+])
+def test_the_triton_peer_matches_the_float64_reference(prefix_lens, tree, heads, page_size, tile, sms,
+                                                      want_splits):
+    x, golden = _case(prefix_lens, tree, heads, page_size, seed=11)
+    if tile is None:
+        peer = triton_peer.TritonTreeVerify(x, sm_count=sms)
+        assert peer.config in triton_peer.TILE_CONFIGS and peer.splits > 1
+    else:
+        peer = triton_peer.TritonTreeVerify(x, sm_count=sms, configs=(tile,))
+        assert peer.config == tile and peer.splits == want_splits
+    peer.out.fill_(float("nan"))
+    peer.lse.fill_(float("nan"))
+    peer()  # every row written again over NaN
+    c = compare("out", peer.out.float(), golden["out"], _TOL.out)
+    assert c.passed, c.reason
+    c = compare("lse", peer.lse, golden["lse"], _TOL.lse)
+    assert c.passed, c.reason
+
+
+def test_a_wrong_mask_bit_fails_the_comparison():
+    """The comparison can fail: mask rows that let every leaf of a star see its siblings give other outputs."""
+    x, golden = _case((4,), TreeSpec("star", nodes=6), 2, 16, seed=3)
+    x.tree_mask[:, 0] = 0b111111
+    peer = triton_peer.TritonTreeVerify(x, sm_count=1, configs=(triton_peer.TileConfig(16, 16, 4, 1),))
+    assert not compare("out", peer.out.float(), golden["out"], _TOL.out).passed
+
+
+def test_split_plan_fills_the_sms_once():
+    assert triton_peer.plan_splits(9, 1026, 132) == 15  # B1 L32K N64 H8: 9 row tiles
+    assert triton_peer.plan_splits(65, 1026, 132) == 2  # H64
+    assert triton_peer.plan_splits(80, 258, 132) == 2  # B16 L8K N32 H8
+    assert triton_peer.plan_splits(200, 258, 132) == 1
+    assert triton_peer.plan_splits(1, 3, 132) == 3  # never more splits than KV tiles
+    assert triton_peer.plan_splits(1, 10_000, 1000) == triton_peer.MAX_SPLITS
+
+
+def test_the_first_tile_size_the_gpu_holds_is_kept(monkeypatch):
+    x, _ = _case((10,), TreeSpec("chain", nodes=3), 2, 16, seed=1)
+    big, small = triton_peer.TileConfig(64, 32, 8, 2), triton_peer.TileConfig(16, 16, 4, 1)
+    launch = triton_peer.TritonTreeVerify.__call__
+
+    def refuse_big(self):
+        if self.cfg == big:
+            raise triton.runtime.errors.OutOfResources(200_000, 101_376, "shared memory")
+        launch(self)
+
+    monkeypatch.setattr(triton_peer.TritonTreeVerify, "__call__", refuse_big)
+    assert triton_peer.TritonTreeVerify(x, sm_count=4, configs=(big, small)).config == small
+    with pytest.raises(Exception, match="no tile size fits"):
+        triton_peer.TritonTreeVerify(x, sm_count=4, configs=(big,))
+
+
+def test_bench_lists_the_triton_peer():
+    assert "triton" in bench.ATTENTION_BACKENDS
+    assert "triton" in bench.load_bench().backends
+    assert isinstance(bench.PEER_LSE_TOLERANCE, Tolerance)
+
+
+_AOT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kdev import triton_peer_kernels as k
+
+cap, bm, bn, warps, stages = map(int, sys.argv[1:6])
+sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i32", "prefix_ptr": "*i32", "indptr_ptr": "*i32",
+       "mask_ptr": "*i64", "work_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32",
+       "table_stride": "i32", "mask_words": "i32", "rows_total": "i32", "splits": "i32"}
+const = {"H": 8, "PAGE": 64, "BLOCK_M": bm, "BLOCK_N": bn, "DIRECT": False, "WIDEN": False, "QK": 576, "LAT": 512,
+         "ROPE": 64}
+sig.update({name: "constexpr" for name in const})
+c = triton.compile(ASTSource(k.split_attn, sig, const), target=GPUTarget("cuda", cap, 32),
+                   options={"num_warps": warps, "num_stages": stages})
+print(json.dumps({"shared": c.metadata.shared, "wgmma": "wgmma" in c.asm["ptx"], "mma_sync": "mma.sync" in c.asm["ptx"]}))
+"""
+
+
+@pytest.mark.parametrize("cap, tile, fits, tensor_op", [
+    (90, triton_peer.TILE_CONFIGS[0], True, "wgmma"),
+    (120, triton_peer.TileConfig(32, 32, 4, 2), True, "mma_sync"),
+    (120, triton_peer.TILE_CONFIGS[0], False, "mma_sync"),
+])
+def test_the_triton_kernel_compiles_for_both_archs_without_a_gpu(cap, tile, fits, tensor_op):
+    """What the interpreter cannot say: Triton compiles the kernel for sm_90 (wgmma) and sm_120 (mma.sync), and the
+    tile list holds a size within sm_120's 101,376 B of shared memory per block."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    args = [str(v) for v in (cap, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)]
+    run = subprocess.run([sys.executable, "-c", _AOT, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got[tensor_op]
+    limit = {90: 232_448, 120: 101_376}[cap]  # dynamic shared memory a block may opt in to
+    assert (got["shared"] <= limit) == fits, got
