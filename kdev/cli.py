@@ -366,8 +366,7 @@ def bench_cmd(
         from kdev.plan import plan_target
 
         plan = plan_target(plan_gpu_name) if plan_gpu_name else None  # and a bad --plan-gpu
-        gpu.require_cuda("kdev bench")
-        peers = {}
+        peers = {}  # and the backends
         for spec in peer or []:
             peers[spec] = bench.load_peer(spec)
         default = cfg.sweep_backends.get(sweep or "smoke", cfg.backends) if not shape else cfg.backends
@@ -375,7 +374,7 @@ def bench_cmd(
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
-        if "triton" in backends and "triton" not in peers:
+        if "triton" in backends:
             from kdev import triton_peer
 
             if not triton_peer.available():
@@ -387,6 +386,7 @@ def bench_cmd(
         if normalize_by and normalize_by not in backends:
             raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
                                      param_hint="--normalize-by")
+        gpu.require_cuda("kdev bench")
         lib = abi.load_library(library, report.info)
         if plan:
             lib.plan_as(plan.sms)

@@ -132,3 +132,19 @@ def test_the_triton_kernel_compiles_for_both_archs_without_a_gpu(cap, tile, fits
     assert got[tensor_op]
     limit = {90: 232_448, 120: 101_376}[cap]  # dynamic shared memory a block may opt in to
     assert (got["shared"] <= limit) == fits, got
+
+
+def test_bench_refuses_a_missing_triton_asked_for_and_leaves_it_out_of_the_defaults(monkeypatch):
+    """Backends are checked before the GPU is looked for: a bad one is exit 2 on any machine."""
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    monkeypatch.setattr(triton_peer, "available", lambda: False)
+    r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--backend", "flash,triton"])
+    assert r.exit_code == 2 and "triton needs the triton package" in r.stderr and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--backend", "flash,nope"])
+    assert r.exit_code == 2 and "unknown backend 'nope'" in r.stderr
+    if not torch.cuda.is_available():  # the defaults name triton: left out with one line, then the GPU is looked for
+        r = CliRunner().invoke(app, ["bench", "--sweep", "smoke"])
+        assert r.exit_code == 3 and "the triton peer is left out" in r.output and "no CUDA GPU" in r.stderr
