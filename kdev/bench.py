@@ -338,7 +338,8 @@ class TorchSdpaRunner(Runner):
 
 class TritonRunner(Runner):
     """kdev/triton_peer.py: the contract as a Triton kernel (heads x nodes packed, split-KV, a Triton combine)
-    reading the paged cache itself; its tile size is the first that this GPU holds (recorded as `tiles`)."""
+    reading the paged cache itself; construction times its tile sizes at this shape and keeps the fastest
+    (recorded as `tiles`)."""
 
     def __init__(self, x):
         import torch
@@ -346,8 +347,9 @@ class TritonRunner(Runner):
         from kdev import triton_peer
 
         sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count
-        self.impl = triton_peer.TritonTreeVerify(x, sms)  # compiles and launches once
-        self.out, self.lse, self.splits, self.tiles = self.impl.out, self.impl.lse, self.impl.splits, str(self.impl.config)
+        self.impl = triton_peer.TritonTreeVerify(x, sms)  # compiles, tunes, and leaves the chosen tile's output
+        self.out, self.lse, self.splits = self.impl.out, self.impl.lse, self.impl.splits
+        self.tiles = str(self.impl.config)
 
     def run(self) -> None:
         self.impl()

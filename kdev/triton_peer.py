@@ -12,8 +12,8 @@ Triton's dots can take wgmma, which the flash kernels do not use; on sm_120 both
   `splits` equal runs of whole tiles (splits = SMs / row tiles, rounded: one program per SM, no cost model);
   each run writes its normalised fp32 partial O and LSE, and a second Triton kernel merges a row's partials
   weighted by exp(lse_s - lse) in split order (deterministic). One split writes bf16 out and lse directly.
-* Tile sizes. A short list per run, tried in order at the first launch: the first whose shared memory the GPU
-  holds is kept (64 x 32 fits an H200; sm_120's 99 KB may take a smaller one). Which one ran is in `config`.
+* Tile sizes. A short list (TILE_CONFIGS): on a GPU each that its shared memory holds is compiled and timed at the
+  inputs, and the fastest kept (`config`; sm_120's 99 KB refuses the 64-row ones).
 
 Under the Triton interpreter (TRITON_INTERPRET=1 before triton is imported: how the tests run it without a GPU)
 the dots widen their bf16 operands to fp32 first: exact, the same products, where the interpreter's bf16 dot reads
@@ -50,8 +50,9 @@ class TileConfig:
 #   32x32 w4 s2   sm_90  84 KB, mma.sync, 448 B stack  sm_120  84 KB, 296 B stack
 #   16x32 w4 s2   sm_90  62 KB, mma.sync, 16 B stack   (16 rows: four times the KV reads of 64)
 #   32x16 w4 s1   sm_120 56 KB, 24 B stack
-# The 64 x 512 fp32 accumulator (128 registers a thread at 8 warps) beside Q as a register operand is what spills;
-# which of these is fastest is the GPU's to say, so a GPU run times them all and keeps the fastest.
+# The 64 x 512 fp32 accumulator takes 128 registers a thread at 8 warps, and what is live beside it takes the rest
+# past 255 (Q is not among it: the TTGIR's wgmma reads Q from shared memory). Which size is fastest is the GPU's to
+# say, so a GPU run times them all.
 TILE_CONFIGS = (TileConfig(64, 32, 8, 2), TileConfig(64, 16, 8, 2), TileConfig(32, 32, 4, 2),
                 TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 1))
 TUNE_RUNS = 10  # timed launches per tile size (after one untimed), warm caches: enough to rank them
