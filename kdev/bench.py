@@ -649,6 +649,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
               progress=None) -> tuple[list[Result], dict]:
     import torch
 
+    from kdev.abi import VERIFY_KERNELS
     from kdev.compare import compare
 
     device, flush, nvml, handle, ident, ceil, l2 = _environment(cfg)
@@ -665,9 +666,21 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         torch.cuda.synchronize()
         ref_out, ref_lse = oracle.out.float().clone(), oracle.lse.clone()  # the oracle is timed (poisoned) too
         for name in backends:
-            runner = make_runner(name, x, lib, peers) if name != "naive" else oracle
-            runner.run()
-            torch.cuda.synchronize()
+            try:
+                runner = make_runner(name, x, lib, peers) if name != "naive" else oracle
+                runner.run()
+                torch.cuda.synchronize()
+            except Exception as e:
+                # A peer that fails (a Triton version that will not compile it, a --peer that raises) is reported
+                # and not ranked, and the run goes on. Our kernels' failures end it: a CUDA error is sticky.
+                if name in VERIFY_KERNELS:
+                    raise
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", False,
+                                      f"failed: {type(e).__name__}: {first}", None))
+                if progress:
+                    progress(f"{shape.name} {name}")
+                continue
             c = compare("out", runner.out.float(), ref_out, cfg.method.tolerance)
             ok = c.passed
             reason = c.reason

@@ -37,6 +37,18 @@ def test_a_wrong_peer_is_reported_not_ranked(lib):
     assert not by["wrong"].agrees and by["wrong"].timing is None and "disagrees with naive" in by["wrong"].check
 
 
+def test_a_peer_that_raises_is_reported_and_the_run_goes_on(lib):
+    def broken(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale):
+        raise RuntimeError("cannot compile here\nsecond line")
+
+    cfg = bench.load_bench()
+    shape = bench.expand(cfg, None, ["B=1,L=2048,N=16,H=8"], None)
+    results, _ = bench.run_bench(shape, ["broken", "flash"], cfg, lib, {"broken": broken}, seed=1)
+    by = {r.backend: r for r in results}
+    assert by["broken"].check == "failed: RuntimeError: cannot compile here" and by["broken"].timing is None
+    assert by["flash"].agrees and by["flash"].timing
+
+
 def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
     cfg = bench.load_bench()
     shapes = bench.expand(cfg, None, ["B=2,L=1000,N=16", "B=3,L=70,N=64,page=1"], None)
