@@ -349,7 +349,7 @@ class TritonRunner(Runner):
         sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count
         self.impl = triton_peer.TritonTreeVerify(x, sms)  # compiles, tunes, and leaves the chosen tile's output
         self.out, self.lse, self.splits = self.impl.out, self.impl.lse, self.impl.splits
-        self.tiles = str(self.impl.config)
+        self.tiles, self.tiles_tuned = str(self.impl.config), self.impl.tuned or None
 
     def run(self) -> None:
         self.impl()
@@ -610,6 +610,7 @@ class Result:
     timing: dict | None
     splits: int | None = None
     tiles: str | None = None  # the tile size a peer with a choice of them took on this GPU (triton)
+    tiles_tuned: dict | None = None  # and what each one it tried took at this shape, µs (warm caches)
 
     @property
     def median_us(self) -> float | None:
@@ -697,7 +698,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
             results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", ok,
                                   "ok" if ok else f"disagrees with naive: {reason}",
                                   asdict(timing) if timing else None, getattr(runner, "splits", None),
-                                  getattr(runner, "tiles", None)))
+                                  getattr(runner, "tiles", None), getattr(runner, "tiles_tuned", None)))
             if progress:
                 progress(f"{shape.name} {name}")
             del runner
