@@ -866,7 +866,44 @@ def load_results(path: Path) -> dict:
         raise BadInput(f"{path}: not a readable bench result: {e}") from None
     if not isinstance(doc, dict) or "results" not in doc:
         raise BadInput(f"{path}: not a kdev bench result (no 'results')")
+    problem = _result_doc_problem(doc)
+    if problem:
+        raise BadInput(f"{path}: not a kdev bench result: {problem}")
     return doc
+
+
+def _result_doc_problem(doc: dict) -> str | None:
+    """What a stored result lacks that reporting, baselines and plots read; None when it has it all."""
+    prov = doc.get("provenance")
+    if not isinstance(prov, dict) or not isinstance(prov.get("gpu"), dict) or "name" not in prov["gpu"]:
+        return "no provenance.gpu.name"
+    ceil = prov.get("ceilings")
+    if ceil is not None and not (isinstance(ceil, dict) and all(_is_number(ceil.get(k)) for k in ("flops",
+                                                                                               "bytes_per_s"))):
+        return "provenance.ceilings without numeric flops and bytes_per_s"
+    results = doc["results"]
+    if not isinstance(results, list):
+        return "'results' is not a list"
+    for i, r in enumerate(results):
+        if not isinstance(r, dict):
+            return f"results[{i}] is not an object"
+        for key, kind in (("shape", str), ("backend", str), ("agrees", bool), ("check", str), ("axes", dict)):
+            if not isinstance(r.get(key), kind):
+                return f"results[{i}].{key} missing or not a {kind.__name__}"
+        for key in ("flops", "bytes"):
+            if not _is_number(r.get(key)):
+                return f"results[{i}].{key} missing or not a number"
+        if r.get("floor_us") is not None and not _is_number(r["floor_us"]):
+            return f"results[{i}].floor_us is not a number"
+        t = r.get("timing")
+        timed = isinstance(t, dict) and all(_is_number(t.get(k)) for k in ("median_us", "p10_us", "p90_us"))
+        if t is not None and not (timed and "samples" in t and "stop" in t):
+            return f"results[{i}].timing lacks median_us, p10_us, p90_us, samples or stop"
+    return None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def write_csv(path: Path, results: list[dict]) -> None:

@@ -142,6 +142,24 @@ def test_bad_stored_result_is_exit_2(tmp_path):
     assert r.exit_code == 2 and "not a kdev bench result" in r.stderr
 
 
+@pytest.mark.parametrize("spoil, says", [
+    (lambda d: d.update(results=3), "'results' is not a list"),
+    (lambda d: d["results"][0].pop("backend"), "results[0].backend missing"),
+    (lambda d: d["results"][0]["timing"].pop("median_us"), "results[0].timing lacks"),
+    (lambda d: d["results"][0].update(flops="many"), "results[0].flops missing or not a number"),
+    (lambda d: d.pop("provenance"), "no provenance.gpu.name"),
+    (lambda d: d["provenance"].update(ceilings={"flops": 1.0}), "provenance.ceilings without"),
+])
+def test_a_malformed_stored_result_is_one_line_and_exit_2(tmp_path, spoil, says):
+    doc = _doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0)])
+    spoil(doc)
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(doc))
+    for args in (["bench", "--from", str(f)], ["bench", "--sweep", "smoke", "--baseline", str(f)]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and says in r.stderr and "Traceback" not in r.output, (args, r.output)
+
+
 def test_no_gpu_is_exit_3():
     import torch
 
