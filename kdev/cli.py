@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from kdev import __version__, report
-from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing, KdevError
+from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, BadInput, EnvironmentMissing, KdevError
 
 app = typer.Typer(
     name="kdev",
@@ -42,6 +42,10 @@ def command(fn):
         except KdevError as e:
             report.error(str(e))
             raise typer.Exit(e.exit_code) from None
+        except OSError as e:  # a path the user gave that cannot be read or written: bad input, said in one line
+            where = f"{e.filename}: " if e.filename else ""
+            report.error(f"{where}{e.strerror or e}")
+            raise typer.Exit(EXIT_BAD_INPUT) from None
         except KeyboardInterrupt:
             report.error("interrupted")
             raise typer.Exit(130) from None

@@ -213,3 +213,12 @@ def test_a_report_into_a_pipe_keeps_each_row_on_one_line():
     narrow = subprocess.run([sys.executable, "-m", "kdev", "bench", "--from", str(stored)], capture_output=True,
                             text=True, env={**env, "COLUMNS": "80"})
     assert narrow.returncode == 0 and max(map(len, narrow.stdout.splitlines())) <= 80
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(_doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0)])))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = CliRunner().invoke(app, ["bench", "--from", str(f), "--csv", str(blocker / "r.csv")])
+    assert r.exit_code == 2 and str(blocker) in r.stderr and "Traceback" not in r.output
