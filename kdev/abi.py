@@ -18,7 +18,7 @@ import torch
 
 from kdev import build as kbuild
 from kdev.config import LATENT_DIM, QK_DIM
-from kdev.errors import EnvironmentMissing
+from kdev.errors import BadInput, EnvironmentMissing
 
 STATUS = {0: "ok", 1: "invalid argument", 2: "CUDA error", 3: "workspace missing or too small"}
 # flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows
@@ -141,7 +141,9 @@ def check_inputs(x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple
 
 class Library:
     def __init__(self, path: str | Path | None = None):
-        path = Path(path) if path else kbuild.latest_library()
+        if path and not Path(path).exists():  # named wrongly: bad input (the default one missing: not built)
+            raise BadInput(f"{path}: no such library")
+        path = kbuild.library_file(Path(path)) if path else kbuild.latest_library()  # a build folder: its library
         if path is None or not Path(path).is_file():
             raise EnvironmentMissing(f"kernel library not built ({path or 'build/latest.json missing'}): run 'kdev build'")
         self.path = Path(path)

@@ -220,7 +220,8 @@ def verify_cmd(
     max_prefix: int = typer.Option(32768, "--max-prefix", min=0, help="Fuzz: largest prefix length."),
     max_nodes: Optional[int] = typer.Option(None, "--max-nodes", min=1, help="Fuzz: largest tree (default: kernel max)."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run vectors made by older reference sources."),
-    library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
+                                           "build for this GPU)."),
     plan_gpu_name: Optional[str] = PlanGpuOpt,
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
@@ -342,7 +343,8 @@ def bench_cmd(
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     seed: int = typer.Option(0, "--seed", help="Input seed."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
-    library: Optional[Path] = typer.Option(None, "--library", help="Library to load (default: build for this GPU)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
+                                           "build for this GPU)."),
     plan_gpu_name: Optional[str] = PlanGpuOpt,
     json_out: bool = JsonOpt,
 ):
@@ -375,6 +377,8 @@ def bench_cmd(
             peers[spec] = bench.load_peer(spec)
         default = cfg.sweep_backends.get(sweep or "smoke", cfg.backends) if not shape else cfg.backends
         backends = [b.strip() for b in (backend.split(",") if backend else default) if b.strip()] + list(peers)
+        if not backends:
+            raise typer.BadParameter("names no backend", param_hint="--backend")
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
@@ -582,7 +586,8 @@ def sass_cmd(
                                          help="Kernel name (or part of it); default: both flash kernels, or with "
                                               "--against every kernel."),
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
-    library: Optional[Path] = typer.Option(None, "--library", help="Library to read (default: the last build)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to read (default: "
+                                           "the last build)."),
     against: Optional[Path] = typer.Option(None, "--against",
                                            help="A base library (or its build folder): compare the machine code of "
                                                 "each kernel with it instead (same, registers, changed, added, "

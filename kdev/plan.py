@@ -134,6 +134,8 @@ class PlanLibrary:
     GPU stack."""
 
     def __init__(self, path: Path):
+        if not path.exists():  # a path given wrongly is bad input; one that exists and will not load, environment
+            raise BadInput(f"{path}: no such library")
         try:
             L = ctypes.CDLL(str(path))
         except OSError as e:

@@ -104,11 +104,17 @@ def test_stale_library_warns(monkeypatch, sm90_library):
         abi.Library(sm90_library)
 
 
-def test_missing_library_is_environment_error(tmp_path):
-    from kdev.errors import EnvironmentMissing
+def test_a_library_not_built_is_environment_and_one_named_wrongly_is_bad_input(tmp_path, monkeypatch):
+    from kdev.errors import BadInput, EnvironmentMissing
 
+    monkeypatch.setattr(abi.kbuild, "latest_library", lambda *a: None)
     with pytest.raises(EnvironmentMissing, match="not built"):
+        abi.Library()
+    with pytest.raises(BadInput, match="no such library"):
         abi.Library(tmp_path / "nope.so")
+    (tmp_path / "not-a-library.so").write_text("text")
+    with pytest.raises(EnvironmentMissing, match="cannot load"):
+        abi.Library(tmp_path / "not-a-library.so")
 
 
 def test_load_library_reuses_a_current_build_for_this_arch(monkeypatch, sm90_library):

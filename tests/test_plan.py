@@ -156,7 +156,8 @@ def test_cli_table_json_and_bad_input(both_archs):
     for args, code, msg in ((["--gpu", "a100"], 2, "not in configs/gpus.yaml"),
                             (["--gpu", "h200", "--call", "fast"], 2, "--call"),
                             (["--gpu", "h200", "--shape", "B=1,L=100,N=2000,H=8"], 2, "out of range"),
-                            (["--gpu", "h200", "--library", "/nonexistent/libkdtree.so"], 3, "does not load")):
+                            (["--gpu", "h200", "--library", "/nonexistent/libkdtree.so"], 2, "no such library"),
+                            (["--gpu", "h200", "--library", __file__], 3, "does not load")):
         r = runner.invoke(app, ["plan", "--library", lib, *args] if "--library" not in args else ["plan", *args])
         assert r.exit_code == code, (args, r.output)
         assert msg in r.output and "Traceback" not in r.output
