@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kdev import __version__
 from kdev.config import REPO_ROOT, BuildConfig
-from kdev.errors import CheckFailed, EnvironmentMissing
+from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
 from kdev.fsutil import atomic_write_bytes
 
 KERNEL_DIR = REPO_ROOT / "kernels"
@@ -72,6 +72,13 @@ def nvcc_version(nvcc: str) -> str:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     m = re.search(r"V(\d+\.\d+\.\d+)", out)
     return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+def nvcc_archs(nvcc: str) -> list[str] | None:
+    """The sm_XX this nvcc builds (--list-gpu-code); None where it cannot say (an nvcc before CUDA 11)."""
+    run = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True)
+    archs = run.stdout.split() if run.returncode == 0 else []
+    return archs if archs and all(a.startswith("sm_") for a in archs) else None
 
 
 def find_cuobjdump(nvcc: str | None = None) -> str | None:
@@ -336,6 +343,10 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     log = log or (lambda msg: None)
     nvcc = find_nvcc()
     ver = nvcc_version(nvcc)
+    known = nvcc_archs(nvcc)
+    unknown = [a for a in cfg.archs if known is not None and a.rstrip("a") not in known]  # sm_90a: sm_90's features
+    if unknown:  # refused here in one line rather than as nvcc's fatal error after a compile started
+        raise BadInput(f"nvcc {ver} does not build {unknown[0]} (it builds {', '.join(known)})")
     src_hash = source_hash(kernel_dir)
     key = cache_key(cfg, src_hash, ver)
     folder = config_folder(cfg)

@@ -233,3 +233,15 @@ def test_bad_arch_override():
 
     with pytest.raises(BadInput, match="--arch: 'ampere'"):
         config.load_build(None, ["ampere"])
+
+
+@needs_nvcc
+def test_an_arch_this_nvcc_does_not_build_is_refused_before_compiling():
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    known = kbuild.nvcc_archs(kbuild.find_nvcc())
+    assert known and "sm_90" in known and "sm_120" in known
+    r = CliRunner().invoke(app, ["build", "--arch", "sm_99"])
+    assert r.exit_code == 2 and "does not build sm_99" in r.stderr and "Traceback" not in r.output
