@@ -49,6 +49,7 @@ def attend_tile(q_lat, q_pe, m_i, l_i, acc, kv_ptr, table_row_ptr, mask_ptr, nod
     acc = tl.dot(p_lo, k_lat, acc * alpha[:, None])
     return m_new, l_i, acc
 
+
 @triton.jit
 def split_attn(q_ptr, kv_ptr, table_ptr, prefix_ptr, indptr_ptr, mask_ptr, work_ptr, o_ptr, lse_ptr,
                scale_log2, table_stride, mask_words, rows_total, splits,
@@ -105,6 +106,7 @@ def split_attn(q_ptr, kv_ptr, table_ptr, prefix_ptr, indptr_ptr, mask_ptr, work_
         part = s.to(tl.int64) * rows_total + grow
         tl.store(o_ptr + part[:, None] * LAT + lat[None, :], o, mask=row_ok[:, None])
         tl.store(lse_ptr + part, lse, mask=row_ok)
+
 
 @triton.jit
 def combine(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, rows_total, splits, BLOCK_S: tl.constexpr,

@@ -107,6 +107,10 @@ const = {"H": 8, "PAGE": 64, "BLOCK_M": bm, "BLOCK_N": bn, "DIRECT": False, "WID
 sig.update({name: "constexpr" for name in const})
 c = triton.compile(ASTSource(k.split_attn, sig, const), target=GPUTarget("cuda", cap, 32),
                    options={"num_warps": warps, "num_stages": stages})
+comb_sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "rows_total": "i32",
+            "splits": "i32", "BLOCK_S": "constexpr", "LAT": "constexpr"}
+triton.compile(ASTSource(k.combine, comb_sig, {"BLOCK_S": 16, "LAT": 512}), target=GPUTarget("cuda", cap, 32),
+               options={"num_warps": 4})
 print(json.dumps({"shared": c.metadata.shared, "wgmma": "wgmma" in c.asm["ptx"], "mma_sync": "mma.sync" in c.asm["ptx"]}))
 """
 
@@ -117,7 +121,7 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": "wgmma" in c.asm["ptx"],
     (120, triton_peer.TILE_CONFIGS[0], False, "mma_sync"),
 ])
 def test_the_triton_kernel_compiles_for_both_archs_without_a_gpu(cap, tile, fits, tensor_op):
-    """What the interpreter cannot say: Triton compiles the kernel for sm_90 (wgmma) and sm_120 (mma.sync), and the
+    """What the interpreter cannot say: Triton compiles the kernels for sm_90 (wgmma) and sm_120 (mma.sync), and the
     tile list holds a size within sm_120's 101,376 B of shared memory per block."""
     import json
     import os
