@@ -7,6 +7,7 @@ one line (raised as BadInput, exit 2).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,7 +331,8 @@ class BuildConfig:
 
 
 def _arch_ok(a) -> bool:
-    return isinstance(a, str) and a.startswith("sm_") and a[3:].rstrip("a").isdigit()
+    """sm_ and a two- or three-digit compute capability (sm_90, sm_120), optionally arch-specific (sm_90a)."""
+    return isinstance(a, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}a?", a) is not None
 
 
 def load_build(path: str | Path | None = None, archs: list[str] | None = None) -> BuildConfig:

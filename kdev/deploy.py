@@ -15,7 +15,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev.config import _Reader, load_yaml
+from kdev.config import _arch_ok, _Reader, load_yaml
+from kdev.errors import BadInput
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 WATCHED_DIRS = ("kernels/", "kdev/", "configs/", "vectors/")
@@ -46,7 +47,9 @@ def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
     path = repo / "configs" / "deploy.yaml"
     data = load_yaml(path) if path.is_file() else {}
     r = _Reader(data or {}, path, "")
-    configured_target = r.get("target_arch", str, "sm_120")
+    configured_target = r.get("target_arch", str, "sm_120", check=_arch_ok, check_msg="an arch like sm_120")
+    if target is not None and not _arch_ok(target):
+        raise BadInput(f"--target: {target!r} is not an arch like sm_120")
     cfg = DeployConfig(
         target_arch=target or configured_target,
         required_suites=tuple(r.get("required_suites", list, ["smoke"])),

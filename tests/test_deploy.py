@@ -226,3 +226,12 @@ def test_manifest_drift_fails_the_vectors_probe(repo, tmp_path):
         assert p["vectors"].status == "fail" and "manifest tolerances" in p["vectors"].reason
     finally:
         mpath.write_text(text)
+
+
+def test_a_target_that_is_no_arch_is_one_line_and_exit_2():
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    r = CliRunner().invoke(app, ["deploy-check", "--target", "sm_1"])
+    assert r.exit_code == 2 and "--target: 'sm_1' is not an arch" in r.stderr and "Traceback" not in r.output
