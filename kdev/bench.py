@@ -34,6 +34,7 @@ import numpy as np
 
 from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _Reader, load_gpus, load_yaml
 from kdev.errors import BadInput
+from kdev.fsutil import read_json_record
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
 ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "triton", "torch-eager", "torch-sdpa")
@@ -476,9 +477,9 @@ def ceilings_path(gpu_id: dict) -> Path:
 def load_ceilings(gpu_id: dict) -> dict | None:
     """This GPU's cached ceilings (kdev bench --ceilings), else those configs/gpus.yaml holds as measured on a GPU of
     this name, else None."""
-    p = ceilings_path(gpu_id)
-    if p.is_file():
-        return json.loads(p.read_text())
+    cached = read_json_record(ceilings_path(gpu_id), ("flops", "bytes_per_s"))  # a damaged cache is no cache
+    if cached is not None:
+        return cached
     known = [g for g in load_gpus().values() if g.name == gpu_id["name"] and g.ceilings_measured]
     return {"flops": known[0].flops, "bytes_per_s": known[0].bytes_per_s,
             "source": known[0].ceilings_source} if known else None

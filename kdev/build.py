@@ -27,7 +27,7 @@ from pathlib import Path
 from kdev import __version__
 from kdev.config import REPO_ROOT, BuildConfig
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
-from kdev.fsutil import atomic_write_bytes
+from kdev.fsutil import atomic_write_bytes, read_json_record
 
 KERNEL_DIR = REPO_ROOT / "kernels"
 LIB_NAME = "libkdtree.so"
@@ -354,9 +354,10 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         folder = folder.with_name(f"{folder.name}-variant-{src_hash[:12]}")
     lib = folder / LIB_NAME
     record = folder / "build.json"
-    if not force and lib.is_file() and record.is_file():
-        old = json.loads(record.read_text())
-        if old.get("key") == key and "launches" in old:  # (a record from before the launch table: rebuilt)
+    # a damaged record, or one from before the launch table, is rebuilt
+    old = read_json_record(record, ("key", "launches", "build_info", "resources", "embedded", "problems"))
+    if not force and lib.is_file() and old is not None:
+        if old["key"] == key:
             res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
                               resources=old["resources"], embedded=old["embedded"], problems=old["problems"],
                               launches=old["launches"])
@@ -440,7 +441,8 @@ def latest_library(output_dir: Path | None = None) -> Path | None:
         return Path(env)
     out = output_dir or (REPO_ROOT / "build")
     f = out / LATEST
-    if not f.is_file():
+    record = read_json_record(f, ("library",))
+    if record is None or not isinstance(record["library"], str):
         return None
-    lib = Path(json.loads(f.read_text())["library"])
+    lib = Path(record["library"])
     return lib if lib.is_file() else None

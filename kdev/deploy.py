@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kdev.config import _arch_ok, _Reader, load_yaml
 from kdev.errors import BadInput
+from kdev.fsutil import read_json_record
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 WATCHED_DIRS = ("kernels/", "kdev/", "configs/", "vectors/")
@@ -107,7 +108,10 @@ def library_info(repo: Path) -> tuple[Path | None, dict | None, str]:
     latest = repo / "build" / "latest.json"
     if not latest.is_file():
         return None, None, "no library built (build/latest.json missing): run 'kdev build'"
-    lib = Path(json.loads(latest.read_text())["library"])
+    record = read_json_record(latest, ("library",))
+    if record is None or not isinstance(record["library"], str):
+        return None, None, f"{latest} is damaged (no library path in it): run 'kdev build'"
+    lib = Path(record["library"])
     if not lib.is_file():
         return lib, None, f"{lib} is missing: run 'kdev build'"
     try:

@@ -1,7 +1,10 @@
-"""Atomic file writes: a temp file in the same folder, fsync, then rename. Nothing is ever half-written."""
+"""Atomic file writes: a temp file in the same folder, fsync, then rename. Nothing is ever half-written. And the
+reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings), where one that is missing or
+damaged stands for no record."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -19,3 +22,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json_record(path: Path, keys: tuple = ()) -> dict | None:
+    """A JSON object kdev wrote, or None where the file is missing, unreadable, not JSON, not an object, or lacks
+    one of `keys`: the caller then does what it does without a record (rebuilds, measures, says to run kdev build)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and all(k in doc for k in keys) else None
+

@@ -30,6 +30,7 @@ from kdev import bench
 from kdev.build import launch_plan_entry
 from kdev.config import REPO_ROOT, GpuSpec, load_gpus
 from kdev.errors import BadInput, EnvironmentMissing
+from kdev.fsutil import read_json_record
 
 BLOCK_M, BLOCK_N, NARROW_ROWS = 64, 32, 16  # flash_plan.cuh: rows per full tile, tokens per KV tile, narrow tile rows
 THREADS = 256  # 8 warps per flash CTA
@@ -154,7 +155,8 @@ class PlanLibrary:
         self.lib, self.path = L, path
         self.build_info = json.loads(L.kdtree_build_info().decode())
         record = path.parent / "build.json"
-        self.resources = json.loads(record.read_text()).get("resources", []) if record.is_file() else None
+        rec = read_json_record(record, ("resources",))  # none, or a damaged one: CTAs per SM are then not known
+        self.resources = rec["resources"] if rec is not None else None
 
     def stale_note(self) -> str | None:
         """Why this library's plan may not be the current sources' (None where it is, or for an A/B build)."""

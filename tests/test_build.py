@@ -245,3 +245,19 @@ def test_an_arch_this_nvcc_does_not_build_is_refused_before_compiling():
     assert known and "sm_90" in known and "sm_120" in known
     r = CliRunner().invoke(app, ["build", "--arch", "sm_99"])
     assert r.exit_code == 2 and "does not build sm_99" in r.stderr and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("damage", ["{garbage", '{"library": 5}', "[]", ""])
+def test_a_damaged_build_record_is_no_record(tmp_path, monkeypatch, damage):
+    """build/latest.json and build.json are kdev's own; one that is damaged stands for none (no traceback): the
+    last build is then unknown, and a build rebuilds."""
+    from kdev import fsutil
+
+    monkeypatch.delenv("KDEV_LIB", raising=False)
+    (tmp_path / kbuild.LATEST).write_text(damage)
+    assert kbuild.latest_library(tmp_path) is None
+    if damage != '{"library": 5}':  # an object with the key: read, and refused by latest_library for its type
+        assert fsutil.read_json_record(tmp_path / kbuild.LATEST, ("library",)) is None
+    assert fsutil.read_json_record(tmp_path / "absent.json") is None
+    (tmp_path / "ok.json").write_text('{"library": "x", "n": 1}')
+    assert fsutil.read_json_record(tmp_path / "ok.json", ("library",)) == {"library": "x", "n": 1}
