@@ -145,7 +145,8 @@ class Library:
             raise BadInput(f"{path}: no such library")
         path = kbuild.library_file(Path(path)) if path else kbuild.latest_library()  # a build folder: its library
         if path is None or not Path(path).is_file():
-            raise EnvironmentMissing(f"kernel library not built ({path or 'build/latest.json missing or damaged'}): run 'kdev build'")
+            raise EnvironmentMissing(f"kernel library not built ({path or 'build/latest.json missing or damaged'}): "
+                                     "run 'kdev build'")
         self.path = Path(path)
         try:
             self.lib = ctypes.CDLL(str(self.path))
