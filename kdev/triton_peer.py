@@ -100,8 +100,10 @@ class TritonTreeVerify:
     never in the interpreter) it times them at these inputs and keeps the fastest (`tuned`: µs per tile size),
     otherwise the first that launches. A tile size the GPU cannot hold is skipped."""
 
-    def __init__(self, x, sm_count: int, configs=TILE_CONFIGS, tune: bool | None = None):
+    def __init__(self, x, sm_count: int, configs: tuple | None = None, tune: bool | None = None):
         import torch
+
+        configs = configs or TILE_CONFIGS
 
         self.widen = interpreting()
         tune = not self.widen if tune is None else tune

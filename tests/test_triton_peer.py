@@ -152,3 +152,21 @@ def test_bench_refuses_a_missing_triton_asked_for_and_leaves_it_out_of_the_defau
     if not torch.cuda.is_available():  # the defaults name triton: left out with one line, then the GPU is looked for
         r = CliRunner().invoke(app, ["bench", "--sweep", "smoke"])
         assert r.exit_code == 3 and "the triton peer is left out" in r.output and "no CUDA GPU" in r.stderr
+
+
+def test_the_bench_runner_wraps_the_peer(monkeypatch):
+    """bench's TritonRunner as run_bench drives it: constructed (the SM count from the device), poisoned, run."""
+    from types import SimpleNamespace
+
+    x, golden = _case((50, 3), TreeSpec("chain", nodes=5), 4, 16, seed=2)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=12))
+        monkeypatch.setattr(triton_peer, "TILE_CONFIGS", (triton_peer.TileConfig(16, 16, 4, 1),))  # quick to run
+    runner = bench.make_runner("triton", x, None, {})
+    assert runner.splits >= 1 and runner.tiles in {str(c) for c in triton_peer.TILE_CONFIGS}
+    assert (runner.tiles_tuned is None) == (DEVICE == "cpu")  # tuned on a GPU only
+    runner.poison()
+    assert torch.isnan(runner.out.float()).all() and torch.isnan(runner.lse).all()
+    runner.run()
+    assert compare("out", runner.out.float(), golden["out"], _TOL.out).passed
+    assert compare("lse", runner.lse, golden["lse"], _TOL.lse).passed
