@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
-# (kdev sass, into round.log), the GPU tests, kdev verify on the smoke suite and a fuzz run (each followed by
+# (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite and a fuzz run (each followed by
 # flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu: the target's kernels and grids), and
 # a short bench beside the launch plan of its shapes on this GPU (kdev plan, into round.log). Results go under $OUT
 # (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
@@ -162,6 +162,9 @@ fi
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
   step gpu-tests python3 -m pytest -q -m gpu tests/gpu -rs
+  # the triton peer's tests, compiled on this GPU, in a process of their own: a fault in a Triton kernel (sticky in
+  # its CUDA context) cannot take the flash kernels' GPU tests with it
+  step triton-peer-tests python3 -m pytest -q tests/test_triton_peer.py -rs
 fi
 step verify-smoke python3 -m kdev verify --suite smoke --kernel "$VERIFY_KERNELS" --repeat 3 --out-json "$OUT/verify-smoke.json"
 step verify-smoke-target-plan python3 -m kdev verify --suite smoke --kernel flash-portable --plan-gpu "$TARGET_GPU" --repeat 2
