@@ -10,6 +10,8 @@
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
 #                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
 #                               [--timeline SHAPE]... [--step-timeout SECONDS]
+# --backend LIST names the backends of the bench steps; triton among them is timed in a step of its own, beside
+# flash-portable, its table in round.log (below: a Triton fault would otherwise take the sweep's timings with it).
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -94,6 +96,16 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+# triton in --backend is timed in a bench step of its own, beside flash-portable (their ratio from one run): a fault in
+# a Triton kernel is sticky in its CUDA context and would take the sweep's flash timings with it. The A/B and variant
+# benches leave it out (a peer does not change with the kernels).
+PEER_TRITON=0
+if [ -n "$BACKENDS" ]; then
+  IFS=, read -ra listed <<< "$BACKENDS"
+  kept=()
+  for b in "${listed[@]}"; do if [ "$b" = triton ]; then PEER_TRITON=1; else kept+=("$b"); fi; done
+  BACKENDS="$(IFS=,; echo "${kept[*]}")"
+fi
 case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
 [ -z "$AB_KERNELS" ] || [ -d "$AB_KERNELS/include" ] || { echo "--ab $AB_KERNELS: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
 if [ ${#PATCHES[@]} -gt 0 ]; then
@@ -179,8 +191,13 @@ for sw in ${SWEEP//,/ }; do
   # what the flash call launches at each shape on this GPU (splits, CTAs, waves, workspace), beside its timings;
   # informational like the sass table
   { echo "=== plan: python3 -m kdev plan --sweep $sw"; python3 -m kdev plan --sweep "$sw" 2>&1; } | tee -a "$LOG" | tail -n 14
-  step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
-    ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${BASELINE:+${NORMALIZE:+--normalize-by "$NORMALIZE"}}
+  if [ -n "$BACKENDS" ] || [ "$PEER_TRITON" = 0 ]; then
+    step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
+      ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${BASELINE:+${NORMALIZE:+--normalize-by "$NORMALIZE"}}
+  fi
+  if [ "$PEER_TRITON" = 1 ]; then  # its table goes to round.log (the files a round returns are few)
+    step "bench-$sw-triton" python3 -m kdev bench --sweep "$sw" --backend flash-portable,triton
+  fi
 done
 if [ -n "$AB_KERNELS" ]; then
   ab_dir="$(mktemp -d)"  # the bench documents stay there: only the summaries come back

@@ -267,3 +267,26 @@ def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
     np.save(path, np.zeros((0, 11), dtype=np.uint64))
     r = _cta_timeline("--records", path)
     assert r.returncode == 1 and "no probe records" in r.stderr
+
+
+def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
+    """A dry round (python3 and nvidia-smi stand-ins that log their arguments): the triton peer's tests and its bench
+    run in processes of their own, so a fault in a Triton kernel cannot lose the flash kernels' tests or timings."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n')
+    (fake / "nvidia-smi").write_text("#!/bin/bash\necho fake-gpu\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "calls.log"
+    r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "0", "--sweep", "targets", "--backend", "flash,naive,triton"],
+                       capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert "python3 -m pytest -q -m gpu tests/gpu -rs" in calls
+    assert "python3 -m pytest -q tests/test_triton_peer.py -rs" in calls
+    benches = [c for c in calls if c.startswith("python3 -m kdev bench --sweep targets")]
+    assert benches == [f"python3 -m kdev bench --sweep targets --out-json {tmp_path}/out/bench-targets.json --csv "
+                       f"{tmp_path}/out/bench-targets.csv --backend flash,naive",
+                       "python3 -m kdev bench --sweep targets --backend flash-portable,triton"]
