@@ -31,6 +31,8 @@ def _case(prefix_lens, tree, heads, page_size, seed):
     ((45,), TreeSpec("chain", nodes=9), 2, 1, triton_peer.TileConfig(16, 16, 4, 1), 1, 1),
     # 32-row tiles over 16 heads: a tile holds two nodes with different masks; 32-token KV steps
     ((40, 0), TreeSpec("random", nodes=11), 16, 16, triton_peer.TileConfig(32, 32, 4, 2), 40, 2),
+    # a 150-node tree over one head: mask rows of three 64-bit words, the tree spanning several KV steps
+    ((20,), TreeSpec("random", nodes=150), 1, 16, triton_peer.TileConfig(16, 16, 4, 1), 3, 1),
     # the tile list bench uses (64 x 32 first), a DDTree over 8 heads, 9 splits
     ((300,), TreeSpec("ddtree", budget=16, depth=8, topk=4, vocab=500), 8, 64, None, 24, None),
 ])
