@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
-# (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite and a fuzz run (each followed by
-# flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu: the target's kernels and grids), and
-# a short bench beside the launch plan of its shapes on this GPU (kdev plan, into round.log). Results go under $OUT
+# (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite
+# and a fuzz run (each followed by flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu:
+# the target's kernels and grids), and a short bench beside the launch plan of its shapes on this GPU (kdev plan,
+# into round.log). Results go under $OUT
 # (default ./gpu-results): at most 8 files, the last lines of each step on stdout.
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
