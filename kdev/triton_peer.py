@@ -118,7 +118,7 @@ class TritonTreeVerify:
         dev = x.q.device
         self.out = torch.empty(n_q, self.heads, LATENT_DIM, dtype=torch.bfloat16, device=dev)
         self.lse = torch.empty(n_q, self.heads, dtype=torch.float32, device=dev)
-        self.config, self.tuned, last = None, {}, None
+        self.tuned, last = {}, None
         for cfg in configs:
             self._prepare(cfg)
             try:
@@ -137,8 +137,12 @@ class TritonTreeVerify:
                 raise BadInput(f"backend triton: no tile size fits this GPU ({last})")
         if cfg != self.cfg:
             self._prepare(cfg)
-        self.config = cfg
         self()  # out and lse hold the chosen tile size's result
+
+    @property
+    def config(self) -> TileConfig:
+        """The tile size chosen (the one prepared last)."""
+        return self.cfg
 
     def _time_us(self) -> float:
         """Mean time of TUNE_RUNS back-to-back launches, after one more (CUDA events)."""
