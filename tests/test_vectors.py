@@ -140,3 +140,21 @@ def test_hand_loosened_tolerance_in_the_manifest_is_caught(tiny):
     drift = suite.config_drift(spec)
     assert len(drift) == 1 and drift[0].startswith("a.safetensors: manifest tolerances")
     assert vectors.check_suite(spec, suite)[0] == drift[0]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("cases: [a\n  b: 1\n", r"malformed YAML \(line \d+, column \d+\)"),
+    ("- just\n- a list\n", "not a schema-1 kdev manifest"),
+    ("schema_version: 1\ncases: 3\n", "not a schema-1 kdev manifest"),
+])
+def test_a_damaged_manifest_is_one_line_for_readers_and_for_appended_fuzz_failures(tiny, text, problem):
+    spec, root = tiny
+    mpath = root / "tiny" / "manifest.yaml"
+    mpath.write_text(text)
+    for attempt in (lambda: vectors.open_suite(str(root / "tiny")),
+                    lambda: vectors.append_case(root, "tiny", vectors.generate_case(spec.cases[0]))):
+        with pytest.raises(BadInput, match=problem) as e:
+            attempt()
+        assert "\n" not in str(e.value)
+    assert mpath.read_text() == text  # refused before anything was written
+    assert sorted(p.name for p in (root / "tiny").iterdir()) == ["a.safetensors", "b.safetensors", "manifest.yaml"]
