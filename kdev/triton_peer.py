@@ -7,7 +7,8 @@ Triton's dots can take wgmma, which the flash kernels do not use; on sm_120 both
 * Scores. 576 is no power of two (Triton's block shapes are): each score is the 512-wide latent dot plus the
   64-wide RoPE dot, both bf16 with fp32 accumulation. Softmax is online, in exp2 with log2(e) folded into the
   scale; the prefix needs no mask, the tree part reads bit j of the node's bitmask row.
-* KV. Gathered per token through the page table (any page size), values = the first 512 dims of the same rows.
+* KV. Through the page table: one lookup per step where a page holds whole steps (pages of >= BLOCK_N tokens, as
+  the flash kernel's tensor copies), else one per token; values = the first 512 dims of the same rows.
 * Split-KV. When a batch's row tiles are fewer than the GPU's SMs, each request's KV range is cut into
   `splits` equal runs of whole tiles (splits = SMs / row tiles, rounded: one program per SM, no cost model);
   each run writes its normalised fp32 partial O and LSE, and a second Triton kernel merges a row's partials
@@ -44,16 +45,17 @@ class TileConfig:
         return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# The tile sizes tuned over (each compiled ahead of time by Triton 3.9, no GPU: shared memory and ptxas stack):
-#   64x32 w8 s2   sm_90 128 KB, wgmma, 904 B stack     sm_120 136 KB: does not fit its 99 KB
-#   64x16 w8 s2   sm_90 128 KB, wgmma, 704 B stack     sm_120 104 KB: does not fit
-#   32x32 w4 s2   sm_90  84 KB, mma.sync, 448 B stack  sm_120  84 KB, 296 B stack
-#   16x32 w4 s2   sm_90  62 KB, mma.sync, 16 B stack   (16 rows: four times the KV reads of 64)
-#   32x16 w4 s1   sm_120 56 KB, 24 B stack
-# The 64 x 512 fp32 accumulator takes 128 registers a thread at 8 warps, and what is live beside it takes the rest
-# past 255 (Q is not among it: the TTGIR's wgmma reads Q from shared memory). Which size is fastest is the GPU's to
-# say, so a GPU run times them all.
-TILE_CONFIGS = (TileConfig(64, 32, 8, 2), TileConfig(64, 16, 8, 2), TileConfig(32, 32, 4, 2),
+# The tile sizes tuned over, each compiled ahead of time without a GPU as the JIT compiles it on one (pointers 16-byte
+# aligned): shared memory, the tensor op, ptxas spills under Triton 3.6 / 3.9. The KV loads of every size but the
+# one-stage one are pipelined (cp.async into shared memory).
+#   64x32 w8 s2   sm_90 160 KB, wgmma, 0 / 48 B       sm_120 128 KB: does not fit its 99 KB
+#   64x32 w8 s3   sm_90 160 KB, wgmma, 8 / 88 B
+#   64x16 w8 s2   sm_90 128 KB, wgmma, 0 / 0 B        sm_120 100 KB: does not fit
+#   32x32 w4 s2   sm_90  82 KB, mma.sync, 0 / 4 B     sm_120  82 KB, 4 / 0 B
+#   16x32 w4 s2   sm_90  59 KB, mma.sync, 0 / 0 B     (16 rows: four times the KV reads of 64)
+#   32x16 w4 s1   sm_90 / sm_120 68 KB, not pipelined
+# Which size is fastest is the GPU's to say, so a GPU run times them all.
+TILE_CONFIGS = (TileConfig(64, 32, 8, 2), TileConfig(64, 32, 8, 3), TileConfig(64, 16, 8, 2), TileConfig(32, 32, 4, 2),
                 TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 1))
 TUNE_RUNS = 10  # timed launches per tile size (after one untimed), warm caches: enough to rank them
 MAX_SPLITS = 128

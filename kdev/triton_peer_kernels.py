@@ -17,10 +17,15 @@ def attend_tile(q_lat, q_pe, m_i, l_i, acc, kv_ptr, table_row_ptr, mask_ptr, nod
     rope = tl.arange(0, ROPE)
     if MASKED:
         n_ok = n < end
-        page = tl.load(table_row_ptr + n // PAGE, mask=n_ok, other=0)
+    if PAGE >= BLOCK_N:  # the step lies in one page (n0 is a multiple of BLOCK_N): one lookup, contiguous rows
+        page = tl.load(table_row_ptr + n0 // PAGE)
+        kv_row = (page.to(tl.int64) * PAGE + n0 % PAGE + tl.arange(0, BLOCK_N)) * QK
     else:
-        page = tl.load(table_row_ptr + n // PAGE)
-    kv_row = (page.to(tl.int64) * PAGE + n % PAGE) * QK
+        if MASKED:
+            page = tl.load(table_row_ptr + n // PAGE, mask=n_ok, other=0)
+        else:
+            page = tl.load(table_row_ptr + n // PAGE)
+        kv_row = (page.to(tl.int64) * PAGE + n % PAGE) * QK
     if MASKED:
         k_lat = tl.load(kv_ptr + kv_row[:, None] + lat[None, :], mask=n_ok[:, None], other=0.0)
         k_pe = tl.load(kv_ptr + kv_row[:, None] + LAT + rope[None, :], mask=n_ok[:, None], other=0.0)
