@@ -44,6 +44,47 @@ PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 
 
+def library_backend(name: str) -> tuple[str, str] | None:
+    """KERNEL@LIBRARY (e.g. flash@build/ab-base): one of our verify kernels from another build, an A/B base or a
+    variant, timed in the same run as the default library's, so that their ratio is measured in one run (no drift
+    between processes or machine starts). (kernel, library path), or None for a plain backend name."""
+    from kdev.abi import VERIFY_KERNELS
+
+    kernel, at, path = name.partition("@")
+    if not at:
+        return None
+    if kernel not in VERIFY_KERNELS or not path:
+        raise BadInput(f"backend {name!r}: KERNEL@LIBRARY takes one of {', '.join(VERIFY_KERNELS)} and a library "
+                       "(or its build folder)")
+    if not Path(path).exists():
+        raise BadInput(f"backend {name!r}: {path}: no such library")
+    return kernel, path
+
+
+def load_library_backends(backends: list[str], plan_sms: int = 0) -> dict:
+    """{backend name: (Library, kernel)} for the KERNEL@LIBRARY backends, each library loaded once; a library
+    without the kernel's entry point (built before it existed) is bad input, refused before anything runs."""
+    from kdev import build as kbuild
+    from kdev.abi import Library
+
+    libraries, others = {}, {}
+    for name in backends:
+        parsed = library_backend(name)
+        if parsed is None:
+            continue
+        kernel, path = parsed
+        key = str(kbuild.library_file(Path(path)).resolve())  # a build folder stands for its library
+        if key not in libraries:
+            libraries[key] = Library(path)
+            if plan_sms:
+                libraries[key].plan_as(plan_sms)
+        lib = libraries[key]
+        if kernel not in lib.kernels:
+            raise BadInput(f"backend {name!r}: {lib.path} has no {kernel} entry point (built before it existed)")
+        others[name] = (lib, kernel)
+    return others
+
+
 # ---------------------------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class Shape:
@@ -379,11 +420,14 @@ def load_peer(spec: str):
     return f
 
 
-def make_runner(name: str, x, lib, peers: dict) -> Runner:
+def make_runner(name: str, x, lib, peers: dict, others: dict | None = None) -> Runner:
     from kdev.abi import VERIFY_KERNELS
 
     if name in VERIFY_KERNELS:
         return AbiRunner(lib, name, x)
+    if others and name in others:  # KERNEL@LIBRARY
+        other_lib, kernel = others[name]
+        return AbiRunner(other_lib, kernel, x)
     if name == "torch-eager":
         return TorchEagerRunner(x)
     if name == "torch-sdpa":
@@ -648,7 +692,7 @@ def _provenance(cfg: BenchConfig, lib, ident: dict, ceil, seed: int, l2: int) ->
 
 
 def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, peers: dict, seed: int,
-              progress=None) -> tuple[list[Result], dict]:
+              progress=None, others: dict | None = None) -> tuple[list[Result], dict]:
     import torch
 
     from kdev.abi import VERIFY_KERNELS
@@ -669,13 +713,13 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         ref_out, ref_lse = oracle.out.float().clone(), oracle.lse.clone()  # the oracle is timed (poisoned) too
         for name in backends:
             try:
-                runner = make_runner(name, x, lib, peers) if name != "naive" else oracle
+                runner = make_runner(name, x, lib, peers, others) if name != "naive" else oracle
                 runner.run()
                 torch.cuda.synchronize()
             except Exception as e:
                 # A peer that fails (a Triton version that will not compile it, a --peer that raises) is reported
                 # and not ranked, and the run goes on. Our kernels' failures end it: a CUDA error is sticky.
-                if name in VERIFY_KERNELS:
+                if name in VERIFY_KERNELS or (others and name in others):
                     raise
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", False,
@@ -705,7 +749,10 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
             del runner
         del oracle, x, ref_out, ref_lse
         torch.cuda.empty_cache()
-    return results, _provenance(cfg, lib, ident, ceil, seed, l2)
+    prov = _provenance(cfg, lib, ident, ceil, seed, l2)
+    if others:  # which build each KERNEL@LIBRARY backend ran
+        prov["libraries"] = {name: {"library": str(o.path), "build_info": o.build_info} for name, (o, _) in others.items()}
+    return results, prov
 
 
 def _tree_inputs(shape: Shape, seed: int, device):

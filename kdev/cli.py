@@ -379,7 +379,8 @@ def bench_cmd(
         backends = [b.strip() for b in (backend.split(",") if backend else default) if b.strip()] + list(peers)
         if not backends:
             raise typer.BadParameter("names no backend", param_hint="--backend")
-        bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers]
+        bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers
+               and bench.library_backend(b) is None]  # KERNEL@LIBRARY: its kernel and path checked there
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
         if "triton" in backends:
@@ -398,6 +399,7 @@ def bench_cmd(
         lib = abi.load_library(library, report.info)
         if plan:
             lib.plan_as(plan.sms)
+        others = bench.load_library_backends(backends, plan.sms if plan else 0)
         if ceilings:
             import torch
 
@@ -425,7 +427,7 @@ def bench_cmd(
         results = []
         with report.progress(f"bench {sweep or ('shape' if shape else 'smoke')}", len(shapes) * len(backends)) as adv:
             if attention:
-                res, prov = bench.run_bench(shapes, attention, cfg, lib, peers, seed, adv)
+                res, prov = bench.run_bench(shapes, attention, cfg, lib, peers, seed, adv, others)
                 prov["plan"] = plan.to_dict() if plan else None
                 results += res
             if tree:
@@ -482,6 +484,8 @@ def bench_cmd(
         plan_s = f"; flash calls planned as for {PlanTarget.from_dict(planned).label}" if planned else ""
         report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s}{plan_s})", cols,
                                  rows, {"left": ("shape", "backend")}))
+        for name, other in (prov.get("libraries") or {}).items():  # KERNEL@LIBRARY backends: which build ran
+            report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
         for r in results:
             if not r["agrees"]:
                 report.error(f"{r['shape']} / {r['backend']}: {r['check']}")

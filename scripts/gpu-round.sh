@@ -37,7 +37,8 @@
 # timed in turn, base then candidate, twice, each candidate judged against the base just before it
 # (--normalize-by applies: a candidate SLOW at any shape ends its step with bench's regression exit code, 1; the
 # plain bench step takes --normalize-by only beside --baseline, which it needs);
-# scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt.
+# scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt. Then the same A/B in one process
+# (ab-SWEEP-one-run, its table in round.log): `kdev bench --backend flash,flash@BASE_LIBRARY,...`.
 # With --kernel-times, the base library's launches are timed too (kernel-times-base.txt). round.log records which
 # kernels' machine code the candidate changed (kdev sass --against the base; for --variants, each against the tree).
 # --variants build/variants/q2/kernels,build/variants/comb2/kernels: several other kernels/ trees timed beside the
@@ -216,6 +217,14 @@ if [ -n "$AB_KERNELS" ]; then
     python3 scripts/ab_summary.py ${NORMALIZE:+--normalize-by "$NORMALIZE"} "$ab_dir/base-$sw-1.json" "$ab_dir/cand-$sw-1.json" \
       "$ab_dir/base-$sw-2.json" "$ab_dir/cand-$sw-2.json" > "$OUT/ab-$sw.txt" 2>&1
     tee -a "$LOG" < "$OUT/ab-$sw.txt"
+    # the same A/B in one process: each flash backend from both libraries, back to back at every shape (its table,
+    # t/t(flash), goes to round.log)
+    one_run=
+    IFS=, read -ra ab_backends <<< "${BACKENDS:-flash}"
+    for b in "${ab_backends[@]}"; do
+      case "$b" in flash|flash-portable) one_run+="$b,$b@$AB_LIB," ;; naive) one_run+="naive," ;; esac
+    done
+    [ -z "$one_run" ] || step "ab-$sw-one-run" python3 -m kdev bench --sweep "$sw" --backend "${one_run%,}"
   done
 fi
 if [ ${#VARIANTS[@]} -gt 0 ]; then

@@ -222,3 +222,31 @@ def test_an_output_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     blocker.write_text("")
     r = CliRunner().invoke(app, ["bench", "--from", str(f), "--csv", str(blocker / "r.csv")])
     assert r.exit_code == 2 and str(blocker) in r.stderr and "Traceback" not in r.output
+
+
+def test_a_kernel_from_another_library_is_a_backend_named_kernel_at_library(tmp_path):
+    """KERNEL@LIBRARY: our verify kernels only, and a path that exists; checked before the GPU is looked for."""
+    lib = tmp_path / "base" / "libkdtree.so"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    assert bench.library_backend("flash") is None
+    assert bench.library_backend(f"flash-portable@{lib.parent}") == ("flash-portable", str(lib.parent))
+    for name, problem in [("triton@x", "takes one of naive, flash, flash-portable"), ("flash@", "takes one of"),
+                          ("accept@x", "takes one of"), (f"flash@{tmp_path}/nope", "nope: no such library")]:
+        with pytest.raises(BadInput, match=problem):
+            bench.library_backend(name)
+        r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--backend", f"flash,{name}"])
+        assert r.exit_code == 2 and problem.split(": ")[-1] in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_library_backends_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):
+    from kdev import abi
+
+    others = bench.load_library_backends(["flash", f"flash@{sm90_library}", f"naive@{sm90_library.parent}"],
+                                         plan_sms=188)
+    assert sorted(others) == [f"flash@{sm90_library}", f"naive@{sm90_library.parent}"]
+    (a, ka), (b, kb) = others[f"flash@{sm90_library}"], others[f"naive@{sm90_library.parent}"]
+    assert a is b and (ka, kb) == ("flash", "naive") and a.plan_sm_count == 188  # the run's --plan-gpu applies
+    monkeypatch.setitem(abi.VERIFY_KERNELS, "flash-next", "kdtree_verify_attn_flash_next")
+    with pytest.raises(BadInput, match="has no flash-next entry point"):
+        bench.load_library_backends([f"flash-next@{sm90_library}"])

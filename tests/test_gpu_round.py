@@ -290,3 +290,27 @@ def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
     assert benches == [f"python3 -m kdev bench --sweep targets --out-json {tmp_path}/out/bench-targets.json --csv "
                        f"{tmp_path}/out/bench-targets.csv --backend flash,naive",
                        "python3 -m kdev bench --sweep targets --backend flash-portable,triton"]
+
+
+def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
+    """A dry --ab round: after the two pairs of processes, one bench run times each flash backend from the base's
+    library beside the working tree's (KERNEL@LIBRARY)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    # python3 -c (reading the base build's record) answers with a library path; every call is logged
+    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
+                                  '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
+    (fake / "nvidia-smi").write_text("#!/bin/bash\necho fake-gpu\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    base = tmp_path / "ab-base" / "kernels"
+    (base / "include").mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    r = subprocess.run(["bash", str(SCRIPT), "--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend",
+                        "flash,flash-portable,naive", "--ab", str(base)], capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert sum(c.startswith("python3 -m kdev bench --library /base/libkdtree.so --sweep targets") for c in calls) == 2
+    assert calls.count("python3 -m kdev bench --sweep targets --backend flash,flash@/base/libkdtree.so,flash-portable,"
+                       "flash-portable@/base/libkdtree.so,naive") == 1

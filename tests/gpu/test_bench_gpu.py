@@ -49,6 +49,25 @@ def test_a_peer_that_raises_is_reported_and_the_run_goes_on(lib):
     assert by["flash"].agrees and by["flash"].timing
 
 
+def test_a_kernel_from_a_second_library_runs_beside_the_first_in_one_run(lib, tmp_path):
+    """flash@LIBRARY: a copy of the library (another file, so a second instance of the library and of its CUDA runtime
+    in this process, as an A/B base is) is checked against naive and timed in the same run as the first."""
+    import shutil
+
+    copy = tmp_path / "base" / lib.path.name
+    copy.parent.mkdir()
+    shutil.copy2(lib.path, copy)
+    cfg = bench.load_bench()
+    shape = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8"], None)
+    backends = ["flash", f"flash@{copy.parent}", f"flash-portable@{copy}"]
+    others = bench.load_library_backends(backends)
+    results, prov = bench.run_bench(shape, backends, cfg, lib, {}, seed=4, others=others)
+    by = {r.backend: r for r in results}
+    assert all(r.agrees and r.timing for r in results), [(r.backend, r.check) for r in results]
+    assert by[f"flash@{copy.parent}"].splits == by["flash"].splits > 1  # the split plan and its combine ran there too
+    assert prov["libraries"][f"flash@{copy.parent}"]["library"] == str(copy)
+
+
 def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
     cfg = bench.load_bench()
     shapes = bench.expand(cfg, None, ["B=2,L=1000,N=16", "B=3,L=70,N=64,page=1"], None)
