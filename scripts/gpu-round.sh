@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200) and its SASS schedule
+# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200, sm_120 on an RTX PRO 6000: read
+# from nvidia-smi's compute capability, GPU_ARCH=sm_NN to name it) and its SASS schedule
 # (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite
 # and a fuzz run (each followed by flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu:
 # the target's kernels and grids), and a short bench beside the launch plan of its shapes on this GPU (kdev plan,
@@ -63,6 +64,13 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# this GPU's arch for every build of the round: compute capability 9.0 -> sm_90, 12.0 -> sm_120 (the first GPU's)
+ARCH="${GPU_ARCH:-}"
+if [ -z "$ARCH" ]; then
+  cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' ')"
+  if [[ "$cc" =~ ^([0-9]+)\.([0-9])$ ]]; then ARCH="sm_${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; else ARCH=sm_90; fi
+fi
+[[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
@@ -146,13 +154,13 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
   fi
 }
 build_kernels() {  # build_kernels STEP KERNELS_DIR JSON: another kernels/ tree into its own library -> $BUILT_LIB
-  step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch sm_90 --json > "$2"' _ "$2" "$3"
+  step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch "$3" --json > "$2"' _ "$2" "$3" "$ARCH"
   BUILT_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$3" 2>/dev/null)"
 }
-sass_against() {  # sass_against LIBRARY BASE: which kernels' sm_90 machine code differs from BASE's, into round.log
+sass_against() {  # sass_against LIBRARY BASE: which kernels' machine code for this arch differs from BASE's, into round.log
   # (informational, not a step, like the sass table: a round without cuobjdump / nvdisasm only loses the lines)
-  { echo "=== sass: python3 -m kdev sass --library $1 --against $2 --arch sm_90"
-    python3 -m kdev sass --library "$1" --against "$2" --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 20
+  { echo "=== sass: python3 -m kdev sass --library $1 --against $2 --arch $ARCH"
+    python3 -m kdev sass --library "$1" --against "$2" --arch "$ARCH" 2>&1; } | tee -a "$LOG" | tail -n 20
 }
 kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one bench sweep's flash and combine launches
   local name="$1"; shift
@@ -164,13 +172,14 @@ kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one benc
   tail -n 30 "$OUT/$name.txt"
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv; git log -1 --oneline 2>/dev/null || true; } | tee -a "$LOG"
-step build python3 -m kdev build --arch sm_90
+echo "arch: $ARCH" | tee -a "$LOG"
+step build python3 -m kdev build --arch "$ARCH"
 # the SASS schedule of the flash kernel just built (accumulator chains, fragment-load lead), for the record
 # beside the timings; informational, not a step: a machine without cuobjdump / nvdisasm only loses the table
 # (only after a good build: latest.json would still name the previous library)
 TREE_LIB=""
 if [ "${RC[build]}" = 0 ]; then
-  { echo "=== sass: python3 -m kdev sass --arch sm_90"; python3 -m kdev sass --arch sm_90 2>&1; } | tee -a "$LOG" | tail -n 12
+  { echo "=== sass: python3 -m kdev sass --arch $ARCH"; python3 -m kdev sass --arch "$ARCH" 2>&1; } | tee -a "$LOG" | tail -n 12
   TREE_LIB="$(python3 -c 'from kdev.build import latest_library; print(latest_library() or "")' 2>/dev/null)"
 fi
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then

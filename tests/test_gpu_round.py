@@ -314,3 +314,37 @@ def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
     assert sum(c.startswith("python3 -m kdev bench --library /base/libkdtree.so --sweep targets") for c in calls) == 2
     assert calls.count("python3 -m kdev bench --sweep targets --backend flash,flash@/base/libkdtree.so,flash-portable,"
                        "flash-portable@/base/libkdtree.so,naive") == 1
+
+
+@pytest.mark.parametrize("compute_cap, env_arch, arch", [("9.0", None, "sm_90"), ("12.0", None, "sm_120"),
+                                                         ("12.0", "sm_90", "sm_90"), ("", None, "sm_90")])
+def test_a_round_builds_for_the_gpu_it_runs_on(tmp_path, compute_cap, env_arch, arch):
+    """The round's builds (the tree, an A/B base) and its SASS tables take the GPU's arch from nvidia-smi's compute
+    capability, GPU_ARCH overriding it; where nvidia-smi says nothing usable, sm_90 (the H200)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
+                                  '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
+    (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
+                                     'echo fake-gpu\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    base = tmp_path / "ab-base" / "kernels"
+    (base / "include").mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)}
+    if env_arch:
+        env["GPU_ARCH"] = env_arch
+    r = subprocess.run(["bash", str(SCRIPT), "--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--ab", str(base)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert f"python3 -m kdev build --arch {arch}" in calls and f"python3 -m kdev sass --arch {arch}" in calls
+    assert f"python3 -m kdev build --kernels {base} --arch {arch} --json" in calls
+    assert all("--arch" not in c or f"--arch {arch}" in c for c in calls if "kdev" in c)
+
+
+def test_a_round_refuses_a_gpu_arch_that_is_no_arch(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "0"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "GPU_ARCH": "hopper"})
+    assert r.returncode == 2 and "GPU_ARCH=hopper: not an arch" in r.stderr
