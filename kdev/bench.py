@@ -45,8 +45,8 @@ DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_siz
 
 
 def library_backend(name: str) -> tuple[str, str] | None:
-    """KERNEL@LIBRARY (e.g. flash@build/ab-base): one of our verify kernels from another build, an A/B base or a
-    variant, timed in the same run as the default library's, so that their ratio is measured in one run (no drift
+    """KERNEL@LIBRARY (e.g. flash@BASE, BASE the library or build folder `kdev build --kernels` made): one of our
+    verify kernels from another build, an A/B base or a variant, timed in the same run as the default library's, so that their ratio is measured in one run (no drift
     between processes or machine starts). (kernel, library path), or None for a plain backend name."""
     from kdev.abi import VERIFY_KERNELS
 

@@ -269,21 +269,35 @@ def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
     assert r.returncode == 1 and "no probe records" in r.stderr
 
 
-def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
-    """A dry round (python3 and nvidia-smi stand-ins that log their arguments): the triton peer's tests and its bench
-    run in processes of their own, so a fault in a Triton kernel cannot lose the flash kernels' tests or timings."""
+def _dry_round(tmp_path, args, compute_cap="", env=None):
+    """gpu-round.sh with stand-ins for python3 (logs its arguments; `python3 -c`, which reads a build record, answers
+    with a library path) and nvidia-smi (answers the compute capability query with `compute_cap`). (result, calls)"""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n')
-    (fake / "nvidia-smi").write_text("#!/bin/bash\necho fake-gpu\n")
+    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
+                                  '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
+    (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
+                                     'echo fake-gpu\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     log = tmp_path / "calls.log"
-    r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "0", "--sweep", "targets", "--backend", "flash,naive,triton"],
-                       capture_output=True, text=True, timeout=60,
-                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)})
+    r = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log),
+                            **(env or {})})
     assert r.returncode == 0, r.stdout + r.stderr
-    calls = log.read_text().splitlines()
+    return r, log.read_text().splitlines()
+
+
+def _ab_base(tmp_path):
+    base = tmp_path / "ab-base" / "kernels"
+    (base / "include").mkdir(parents=True)
+    return base
+
+
+def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
+    """A dry round: the triton peer's tests and its bench run in processes of their own, so a fault in a Triton kernel
+    cannot lose the flash kernels' tests or timings."""
+    _, calls = _dry_round(tmp_path, ["--fuzz", "0", "--sweep", "targets", "--backend", "flash,naive,triton"])
     assert "python3 -m pytest -q -m gpu tests/gpu -rs" in calls
     assert "python3 -m pytest -q tests/test_triton_peer.py -rs" in calls
     benches = [c for c in calls if c.startswith("python3 -m kdev bench --sweep targets")]
@@ -295,22 +309,8 @@ def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
 def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
     """A dry --ab round: after the two pairs of processes, one bench run times each flash backend from the base's
     library beside the working tree's (KERNEL@LIBRARY)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    # python3 -c (reading the base build's record) answers with a library path; every call is logged
-    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
-                                  '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
-    (fake / "nvidia-smi").write_text("#!/bin/bash\necho fake-gpu\n")
-    for f in fake.iterdir():
-        f.chmod(0o755)
-    base = tmp_path / "ab-base" / "kernels"
-    (base / "include").mkdir(parents=True)
-    log = tmp_path / "calls.log"
-    r = subprocess.run(["bash", str(SCRIPT), "--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend",
-                        "flash,flash-portable,naive", "--ab", str(base)], capture_output=True, text=True, timeout=60,
-                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)})
-    assert r.returncode == 0, r.stdout + r.stderr
-    calls = log.read_text().splitlines()
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend",
+                                     "flash,flash-portable,naive", "--ab", str(_ab_base(tmp_path))])
     assert sum(c.startswith("python3 -m kdev bench --library /base/libkdtree.so --sweep targets") for c in calls) == 2
     assert calls.count("python3 -m kdev bench --sweep targets --backend flash,flash@/base/libkdtree.so,flash-portable,"
                        "flash-portable@/base/libkdtree.so,naive") == 1
@@ -321,24 +321,9 @@ def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
 def test_a_round_builds_for_the_gpu_it_runs_on(tmp_path, compute_cap, env_arch, arch):
     """The round's builds (the tree, an A/B base) and its SASS tables take the GPU's arch from nvidia-smi's compute
     capability, GPU_ARCH overriding it; where nvidia-smi says nothing usable, sm_90 (the H200)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
-                                  '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
-    (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
-                                     'echo fake-gpu\n')
-    for f in fake.iterdir():
-        f.chmod(0o755)
-    base = tmp_path / "ab-base" / "kernels"
-    (base / "include").mkdir(parents=True)
-    log = tmp_path / "calls.log"
-    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "FAKE_LOG": str(log)}
-    if env_arch:
-        env["GPU_ARCH"] = env_arch
-    r = subprocess.run(["bash", str(SCRIPT), "--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--ab", str(base)],
-                       capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    calls = log.read_text().splitlines()
+    base = _ab_base(tmp_path)
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--ab", str(base)], compute_cap,
+                          {"GPU_ARCH": env_arch} if env_arch else None)
     assert f"python3 -m kdev build --arch {arch}" in calls and f"python3 -m kdev sass --arch {arch}" in calls
     assert f"python3 -m kdev build --kernels {base} --arch {arch} --json" in calls
     assert all("--arch" not in c or f"--arch {arch}" in c for c in calls if "kdev" in c)
