@@ -326,7 +326,8 @@ def bench_cmd(
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default smoke)."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
-    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml); "
+                                          "KERNEL@LIBRARY times that kernel of another build in the same run."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
     loop: Optional[list[str]] = typer.Option(
