@@ -637,15 +637,20 @@ def sass_cmd(
         table_rows = [[r["arch"], r["address"], r["instructions"], r["hmma"], r["loads"], r["nop"],
                        pair(r["chain_min"], r["chain_median"]),
                        histogram(r["chains"]),
-                       pair(r["lead_min"], r["lead_median"])] for r in rows if r["kernel"] == name]
+                       pair(r["lead_min"], r["lead_median"]),
+                       r["smem_wavefronts"], f"{r['smem_wavefronts'] / r['hmma']:.2f}"]
+                      for r in rows if r["kernel"] == name]
         report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
-                                 ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead"],
-                                 table_rows, {"left": ("arch", "chains")}))
+                                 ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead",
+                                  "smem wf", "wf/HMMA"], table_rows, {"left": ("arch", "chains")}))
     if not rows:
         report.warn(f"{kernel}: no loop with HMMA")
     report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
                 "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
-                "LDSM / LDS of an HMMA's fragments to the HMMA")
+                "LDSM / LDS of an HMMA's fragments to the HMMA; smem wf: 128-byte shared-memory wavefronts the "
+                "loop's instructions move per warp and iteration (conflict-free, rare branches included, tensor "
+                "copies not counted; --json splits it by opcode), wf/HMMA: per HMMA, where a hot path above ~1.7 "
+                "is bound by shared memory at the H200's mma.sync peak")
 
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:

@@ -6,7 +6,12 @@ Per loop (a backward branch and the instructions it jumps over) that issues HMMA
   issued (across the loop's back edge too). The smallest distances tell how many chains ptxas keeps in
   flight: at 2, a dependent HMMA every second one, and the warp waits out an HMMA latency per pair;
 - the load lead: how many instructions separate an HMMA from the load that produced its A or B fragment.
-  A short lead is the ldmatrix latency the warp must cover with other warps' work.
+  A short lead is the ldmatrix latency the warp must cover with other warps' work;
+- the shared-memory wavefronts (128 B) the body's instructions move per warp, and so per HMMA: an SM serves one
+  wavefront per cycle and issues an HMMA.16816 every ~1.7 cycles at the H200's mma.sync peak, so a hot path above
+  ~1.7 per HMMA is bound by shared memory there (kernels/NOTES.md). An estimate from the code alone: accesses taken
+  as conflict-free, and every instruction of the body counted once, rare branches (the mask's, a fallback copy's)
+  included; the JSON splits it by opcode.
 These are the figures that explained flash v9 without a GPU (kernels/NOTES.md, "where v9 waits"): the
 source kept four S chains, the SASS two.
 
@@ -109,6 +114,34 @@ def _dest_regs(ins: Instr) -> range:
     return range(base, base + n)
 
 
+# Shared-memory instructions and the 128-byte wavefronts one warp-wide issue of each moves when it is free of bank
+# conflicts: an ldmatrix 8x8 b16 matrix is 128 B (.x1 / .x2 / .x4: 1 / 2 / 4); a 32 / 64 / 128-bit access by 32 lanes
+# is 128 / 256 / 512 B. cp.async (LDGSTS) writes shared memory too; tensor copies (UTMALDG) go through the async
+# proxy without an instruction per byte, so they are not counted.
+_SMEM_OPS = ("LDSM", "LDS", "STS", "ATOMS", "LDGSTS")
+
+
+def smem_wavefronts(ins: Instr) -> int:
+    """Wavefronts one warp-wide issue of `ins` moves through the shared-memory pipe (0 for other instructions)."""
+    if ins.op not in _SMEM_OPS:
+        return 0
+    mods = ins.opcode.split(".")[1:]
+    if ins.op == "LDSM":
+        return int(mods[-1]) if mods and mods[-1].isdigit() else 1
+    return 4 if "128" in mods else 2 if "64" in mods else 1
+
+
+def _wavefronts_by_op(body: list[Instr]) -> dict[str, int]:
+    """Wavefronts per opcode (a guarded instruction under its opcode + " (guarded)"): which accesses make the total."""
+    out: dict[str, int] = {}
+    for ins in body:
+        w = smem_wavefronts(ins)
+        if w:
+            key = ins.opcode + (" (guarded)" if ins.predicated else "")
+            out[key] = out.get(key, 0) + w
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def loops(fn: Function) -> list[tuple[int, int]]:
     """(first, last) instruction indexes of each loop: a branch back to an earlier address."""
     index = {ins.addr: i for i, ins in enumerate(fn.instrs)}
@@ -170,6 +203,9 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
         "hmma": len(hmma),
         "loads": sum(ins.op in _LOADS for ins in body),
         "nop": sum(ins.op == "NOP" for ins in body),
+        # every shared-memory instruction of the body once (rare branches included), per warp and iteration
+        "smem_wavefronts": sum(smem_wavefronts(ins) for ins in body),
+        "smem_wavefronts_by_op": _wavefronts_by_op(body),
         "chain_min": min(chain) if chain else None,
         "chain_median": statistics.median(chain) if chain else None,
         "chains": {str(d): chain.count(d) for d in sorted(set(chain))},

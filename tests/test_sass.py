@@ -84,6 +84,8 @@ def test_chain_distances_and_load_leads():
     two, carried, _ = sass.parse(SASS)
     r = sass.loop_report(two, 2, 11)
     assert (r["instructions"], r["hmma"], r["loads"], r["nop"]) == (10, 4, 2, 1)
+    # shared-memory wavefronts per warp: an ldmatrix .x4 (four 128-byte matrices) and a 128-bit load (512 B)
+    assert r["smem_wavefronts"] == 8 and r["smem_wavefronts_by_op"] == {"LDSM.16.M88.4": 4, "LDS.128": 4}
     # R8 and R12 chains: the first two read values carried from the previous iteration (4 - 2 = 2 back),
     # the last two the HMMA two places before
     assert r["chains"] == {"2": 4} and (r["chain_min"], r["chain_median"]) == (2, 2)
@@ -252,3 +254,14 @@ def test_cuobjdump_without_nvdisasm_is_an_environment_error(tmp_path, monkeypatc
     monkeypatch.setattr(sass, "find_cuobjdump", lambda nvcc=None: str(fake))
     with pytest.raises(EnvironmentMissing, match="needs nvdisasm"):
         sass.dump(lib)
+
+
+@pytest.mark.parametrize("text, wavefronts", [
+    ("LDSM.16.M88.4 R20, [R2]", 4), ("LDSM.16.MT88.2 R20, [R2]", 2), ("LDSM.16.M88 R20, [R2]", 1),
+    ("LDS.128 R24, [R3]", 4), ("LDS.U.64 R24, [R3]", 2), ("LDS R24, [R3]", 1), ("STS.128 [R3], R24", 4),
+    ("STS.U16 [R3], R24", 1), ("LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]", 4), ("ATOMS.ADD RZ, [R3], R4", 1),
+    ("UTMALDG.3D [UR8], [UR4]", 0), ("LDG.E.128 R4, desc[UR4][R2.64]", 0), ("HMMA.16816.F32.BF16 R8, R24, R20, R8", 0),
+])
+def test_shared_memory_wavefronts_of_one_warp_wide_instruction(text, wavefronts):
+    assert sass.smem_wavefronts(sass.parse_instr(text, 0)) == wavefronts
+
