@@ -671,17 +671,20 @@ def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: 
         if differ:  # identical kernels are counted in the summary line, not listed
             report.show(report.table(
                 f"SASS of {lib.parent.name} against {base.parent.name}" + (f" ('{kernel}')" if kernel else ""),
-                ["kernel", "arch", "status", "instructions", "differ", "HMMA loops"],
+                ["kernel", "arch", "status", "instructions", "differ", "HMMA loops", "smem wf"],
                 [[r["kernel"], r["arch"],
                   r["status"] + (f" (code of {r['code_of']}: {r['code_likeness']})" if r["code_of"] else ""),
                   change(r["base_instructions"], r["instructions"]),
                   r["changed_instructions"],
                   change(r["base_hmma_loops"] if r["base_instructions"] is not None else None,
-                         r["hmma_loops"] if r["instructions"] is not None else None, loop_sizes)] for r in differ],
+                         r["hmma_loops"] if r["instructions"] is not None else None, loop_sizes),
+                  change(r["base_hmma_loop_wavefronts"] if r["base_instructions"] is not None else None,
+                         r["hmma_loop_wavefronts"] if r["instructions"] is not None else None, loop_sizes)]
+                 for r in differ],
                 {"left": ("kernel", "arch", "status")}))
             report.show("registers: identical but for register numbers (another allocation); differ: "
                         "instructions that differ (branch targets aside); HMMA loops: the instructions of each loop "
-                        "that issues HMMA")
+                        "that issues HMMA; smem wf: their shared-memory wavefronts per warp and iteration")
         report.show(f"{len(rows) - len(differ)} of {len(rows)} kernels x archs identical to {base}"
                     + (f", {len(differ)} differ" if differ else ""))
     if expect_same and differ:

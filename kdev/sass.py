@@ -284,9 +284,17 @@ def _register_numbers_aside(fn: Function) -> list[str]:
     return [_RE_REGNUM.sub(r"\1", i.text) for i in fn.instrs]
 
 
-def _hmma_loop_sizes(fn: Function) -> list[int]:
-    return [last - first + 1 for first, last in loops(fn)
+def _hmma_loops(fn: Function) -> list[list[Instr]]:
+    return [fn.instrs[first:last + 1] for first, last in loops(fn)
             if any(ins.op == "HMMA" for ins in fn.instrs[first:last + 1])]
+
+
+def _hmma_loop_sizes(fn: Function) -> list[int]:
+    return [len(body) for body in _hmma_loops(fn)]
+
+
+def _hmma_loop_wavefronts(fn: Function) -> list[int]:
+    return [sum(smem_wavefronts(ins) for ins in body) for body in _hmma_loops(fn)]
 
 
 def _likeness(a: Function, b: Function) -> str | None:
@@ -302,7 +310,7 @@ def compare(base: list[Function], this: list[Function], kernel: str = "",
     instructions), registers (identical but for register numbers: ptxas allocated them differently; the numbers are
     not checked against each other, so this says "look at the allocation", not "the same program"), changed, added
     (only in this build) or removed (only in the base); instruction counts, the number of instructions that differ,
-    and the sizes of the loops that issue HMMA in each. A kernel added under a new name whose code is a removed
+    and the sizes of the loops that issue HMMA in each with their shared-memory wavefronts. A kernel added under a new name whose code is a removed
     kernel's (a template argument added, a kernel renamed) names it in `code_of`, how alike in `code_likeness`."""
     old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
     if not old and not new:
@@ -328,6 +336,9 @@ def compare(base: list[Function], this: list[Function], kernel: str = "",
             "base_instructions": len(a.instrs) if a else None, "instructions": len(b.instrs) if b else None,
             "changed_instructions": changed,
             "base_hmma_loops": _hmma_loop_sizes(a) if a else [], "hmma_loops": _hmma_loop_sizes(b) if b else [],
+            # shared-memory wavefronts of those loops per warp and iteration (loop_report's smem_wavefronts)
+            "base_hmma_loop_wavefronts": _hmma_loop_wavefronts(a) if a else [],
+            "hmma_loop_wavefronts": _hmma_loop_wavefronts(b) if b else [],
             "code_of": code_of, "code_likeness": likeness,
         })
     return rows

@@ -134,6 +134,11 @@ def test_compare_counts_changed_instructions_and_ignores_moved_branch_targets():
     assert (two["status"], two["changed_instructions"]) == ("changed", 1)
     assert (two["base_instructions"], two["instructions"]) == (16, 17)
     assert (two["base_hmma_loops"], two["hmma_loops"]) == ([10], [11])
+    assert two["base_hmma_loop_wavefronts"] == two["hmma_loop_wavefronts"] == [8]  # a NOP moves nothing
+    # an ldmatrix .x4 narrowed to .x2: four wavefronts less of shared memory per iteration
+    narrowed = sass.compare(sass.parse(SASS), sass.parse(_edited(SASS, "LDSM.16.M88.4 R20", "LDSM.16.M88.2 R20")),
+                            "k_two_chains")
+    assert (narrowed[0]["base_hmma_loop_wavefronts"], narrowed[0]["hmma_loop_wavefronts"]) == ([8], [6])
     assert (rows[("sm_90", "k_carried")]["status"], rows[("sm_90", "k_carried")]["changed_instructions"]) == ("changed", 1)
     assert rows[("sm_120", "k_carried")]["status"] == "same"
     # a changed guard predicate is a change too (text compared as printed, predicate included)
