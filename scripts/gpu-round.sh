@@ -117,6 +117,7 @@ if [ -n "$BACKENDS" ]; then
   BACKENDS="$(IFS=,; echo "${kept[*]}")"
 fi
 case "$STEP_TIMEOUT" in ''|*[!0-9]*|0) echo "--step-timeout takes a whole number of seconds > 0, not '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
+case "$FUZZ" in ''|*[!0-9]*) echo "--fuzz takes a whole number of cases (0: no fuzz run), not '$FUZZ'" >&2; exit 2 ;; esac
 [ -z "$AB_KERNELS" ] || [ -d "$AB_KERNELS/include" ] || { echo "--ab $AB_KERNELS: not a copy of kernels/ (no include/ folder)" >&2; exit 2; }
 if [ ${#PATCHES[@]} -gt 0 ]; then
   patch_dir="$(mktemp -d)"
@@ -263,8 +264,10 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
     tee -a "$LOG" < "$OUT/variants-$sw.txt"
   done
 fi
-# last: the longest steps (a killed round keeps everything above)
-step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel "$VERIFY_KERNELS" --out-json "$OUT/verify-fuzz.json"
+# last: the longest steps (a killed round keeps everything above); --fuzz 0 leaves them out (kdev verify --fuzz 0
+# would run the smoke suite again)
+[ "$FUZZ" -eq 0 ] || step verify-fuzz python3 -m kdev verify --fuzz "$FUZZ" --kernel "$VERIFY_KERNELS" \
+  --out-json "$OUT/verify-fuzz.json"
 [ "$FUZZ" -lt 4 ] || step verify-fuzz-target-plan python3 -m kdev verify --fuzz "$((FUZZ / 4))" --kernel flash-portable \
   --plan-gpu "$TARGET_GPU"
 fi

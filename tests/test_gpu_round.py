@@ -333,3 +333,11 @@ def test_a_round_refuses_a_gpu_arch_that_is_no_arch(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "0"], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "GPU_ARCH": "hopper"})
     assert r.returncode == 2 and "GPU_ARCH=hopper: not an arch" in r.stderr
+
+
+def test_fuzz_0_leaves_the_fuzz_steps_out_and_a_count_that_is_no_number_is_refused(tmp_path):
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "smoke"])
+    assert not any("--fuzz" in c for c in calls)  # not the smoke suite a second time through `kdev verify --fuzz 0`
+    r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "many"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out2")})
+    assert r.returncode == 2 and "--fuzz takes a whole number of cases" in r.stderr
