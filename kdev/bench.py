@@ -129,15 +129,19 @@ class BenchConfig:
     backends: tuple
     sweeps: dict  # name -> (description, [Shape])
     sweep_backends: dict = field(default_factory=dict)  # name -> backends a sweep names for itself
+    # what the kernels are judged against (a shape's `target_us`, a sweep's `min_naive_speedup`): reported, not gated
+    targets_us: dict = field(default_factory=dict)  # shape name -> time to meet, µs
+    min_naive_speedup: dict = field(default_factory=dict)  # shape name -> how many times faster than naive
 
 
-def _shape(r: _Reader, base: dict) -> Shape:
+def _shape(r: _Reader, base: dict) -> tuple[Shape, float | None]:
     vals = dict(base)
     for k in AXES:
         if k in r.data:
             vals[k] = r.get(k, str if k == "tree" else int)
+    target = r.get("target_us", float, None, lambda v: v > 0, "must be > 0")
     r.done()
-    return _make_shape(vals, f"{r.file}: {r.where}")
+    return _make_shape(vals, f"{r.file}: {r.where}"), target
 
 
 def _make_shape(vals: dict, where: str) -> Shape:
@@ -173,10 +177,11 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
     backends = tuple(top.get("backends", list, ["flash", "naive", "torch-eager", "torch-sdpa"]))
     sw = top.sub("sweeps")
     top.done()
-    sweeps, sweep_backends = {}, {}
+    sweeps, sweep_backends, targets_us, min_speedup = {}, {}, {}, {}
     for name in list(sw.data):
         s = sw.sub(name)
         desc = s.get("description", str, "")
+        speedup = s.get("min_naive_speedup", float, None, lambda v: v > 0, "must be > 0")
         if "backends" in s.data:
             sweep_backends[name] = tuple(s.get("backends", list))
         shapes = []
@@ -198,18 +203,26 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
                     shapes.append(_make_shape({**center, axis: value}, f"{path}: sweeps.{name}.vary.{axis}"))
             v.done()
         for i, raw in enumerate(s.get("shapes", list, [])):
-            shapes.append(_shape(_Reader(raw, path, f"sweeps.{name}.shapes[{i}]"), DEFAULT_AXES))
+            where = f"sweeps.{name}.shapes[{i}]"
+            shape, target = _shape(_Reader(raw, path, where), DEFAULT_AXES)
+            shapes.append(shape)
+            if target is not None:
+                if targets_us.get(shape.name, target) != target:
+                    raise BadInput(f"{path}: {where}: {shape.name} has target_us {targets_us[shape.name]:g} elsewhere")
+                targets_us[shape.name] = target
         s.done()
         if not shapes:
             raise BadInput(f"{path}: sweeps.{name}: needs axes or shapes")
         sweeps[name] = (desc, list(dict.fromkeys(shapes)))
+        if speedup is not None:
+            min_speedup.update({sh.name: speedup for sh in shapes})
     sw.done()
     known = set(ATTENTION_BACKENDS) | set(TREE_BACKENDS)
     for name, bks in [("backends", backends), *((f"sweeps.{k}.backends", v) for k, v in sweep_backends.items())]:
         bad = [b for b in bks if b not in known]
         if bad:
             raise BadInput(f"{path}: {name}: unknown backend {bad[0]!r} (have {', '.join(sorted(known))})")
-    return BenchConfig(method, backends, sweeps, sweep_backends)
+    return BenchConfig(method, backends, sweeps, sweep_backends, targets_us, min_speedup)
 
 
 def parse_assignments(items: list[str], what: str) -> dict:
@@ -871,6 +884,39 @@ def speedups(results: list[dict], reference: str = "flash") -> dict:
         if ref and ref["timing"] and r["timing"]:
             out[(shape, backend)] = r["timing"]["median_us"] / ref["timing"]["median_us"]
     return out
+
+
+def judge_targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
+    """Per timed backend but naive, at the shapes of `results` that configs name a target for: which shapes its
+    median meets (<= target_us) and where it is at least min_naive_speedup times faster than naive. One row per
+    backend: {backend, met, missed: [{shape, median_us, target_us}], fast_enough, too_slow: [{shape, speedup,
+    wanted}], wanted_speedups}; none where the results hold no judged shape."""
+    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    rows = []
+    for backend in dict.fromkeys(r["backend"] for r in results):
+        if backend == "naive":
+            continue
+        row = {"backend": backend, "met": [], "missed": [], "fast_enough": [], "too_slow": [], "wanted_speedups": []}
+        for shape in dict.fromkeys(r["shape"] for r in results if r["backend"] == backend):
+            t = timed.get((shape, backend))
+            target = cfg.targets_us.get(shape)
+            if target is not None:
+                if t is not None and t <= target:
+                    row["met"].append(shape)
+                else:
+                    row["missed"].append({"shape": shape, "median_us": t, "target_us": target})
+            wanted, naive = cfg.min_naive_speedup.get(shape), timed.get((shape, "naive"))
+            if wanted is not None and naive is not None:
+                if wanted not in row["wanted_speedups"]:
+                    row["wanted_speedups"].append(wanted)
+                speedup = naive / t if t else None
+                if speedup is not None and speedup >= wanted:
+                    row["fast_enough"].append(shape)
+                else:
+                    row["too_slow"].append({"shape": shape, "speedup": speedup, "wanted": wanted})
+        if row["met"] or row["missed"] or row["fast_enough"] or row["too_slow"]:
+            rows.append(row)
+    return rows
 
 
 def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float = 0.03, sigmas: float = 3.0,

@@ -443,6 +443,9 @@ def bench_cmd(
             _require_reference(normalize_by, results, str(from_file))
         verdicts = bench.baseline_verdicts(results, base_results, normalize_by=normalize_by)
         doc["baseline"] = {"file": str(baseline), "normalized_by": normalize_by, "verdicts": verdicts}
+    judged = bench.judge_targets(results, cfg)  # the configs' targets, also for a stored result (--from)
+    if judged:
+        doc["targets"] = judged
     _write_json_file(out_json, doc)
     if csv_out:
         bench.write_csv(csv_out, results)
@@ -485,6 +488,8 @@ def bench_cmd(
         plan_s = f"; flash calls planned as for {PlanTarget.from_dict(planned).label}" if planned else ""
         report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s}{plan_s})", cols,
                                  rows, {"left": ("shape", "backend")}))
+        for line in _target_lines(judged):
+            report.show(line)
         for name, other in (prov.get("libraries") or {}).items():  # KERNEL@LIBRARY backends: which build ran
             report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
         for r in results:
@@ -498,6 +503,35 @@ def bench_cmd(
         report.error(f"{len(slow)} regression(s) against {baseline}: " + ", ".join(
             f"{v['shape']}/{v['backend']} {100 * v['change']:+.1f}%" for v in slow[:5]))
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _short_shape(name: str) -> str:
+    """B1-L32768-N64-H8-p64 -> B1 L32768 N64 H8 (the page size only where it is not 64)."""
+    parts = name.split("-")
+    return " ".join(p for p in parts if p != "p64")
+
+
+def _target_lines(judged: list[dict]) -> list[str]:
+    """One line per judged backend: the first targets it meets, and its speedup over naive where it falls short."""
+    lines = []
+    for j in judged:
+        n = len(j["met"]) + len(j["missed"])
+        if n:
+            missed = ", ".join(f"{_short_shape(m['shape'])} {m['median_us']:.1f} > {m['target_us']:g} µs"
+                               if m["median_us"] is not None else f"{_short_shape(m['shape'])} not timed"
+                               for m in j["missed"])
+            mark = "[green]" if not j["missed"] else "[red]"
+            lines.append(f"{j['backend']}: first targets met at {mark}{len(j['met'])} of {n}[/] shapes"
+                         + (f"; missed: {missed}" if missed else ""))
+        n = len(j["fast_enough"]) + len(j["too_slow"])
+        if n:
+            short = ", ".join(f"{_short_shape(t['shape'])} {t['speedup']:.1f}x" if t["speedup"] else
+                              f"{_short_shape(t['shape'])} not timed" for t in j["too_slow"])
+            wanted = "/".join(f"{w:g}" for w in j["wanted_speedups"])
+            mark = "[green]" if not j["too_slow"] else "[red]"
+            lines.append(f"{j['backend']}: at least {wanted}x faster than naive at {mark}{len(j['fast_enough'])} of "
+                         f"{n}[/] shapes" + (f"; short: {short}" if short else ""))
+    return lines
 
 
 def _require_reference(normalize_by: Optional[str], results: list[dict], where: str) -> None:

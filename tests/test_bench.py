@@ -250,3 +250,56 @@ def test_library_backends_load_each_library_once_and_refuse_a_missing_entry_poin
     monkeypatch.setitem(abi.VERIFY_KERNELS, "flash-next", "kdtree_verify_attn_flash_next")
     with pytest.raises(BadInput, match="has no flash-next entry point"):
         bench.load_library_backends([f"flash-next@{sm90_library}"])
+
+
+def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(write_yaml):
+    cfg = bench.load_bench()
+    targets = {s.name: cfg.targets_us[s.name] for s in bench.expand(cfg, "targets", None, None)}
+    assert list(targets.values()) == [116, 466, 466, 238, 30, 232, 930]
+    assert set(cfg.min_naive_speedup.values()) == {30} and set(cfg.min_naive_speedup) == set(targets)
+    for text, problem in [
+        ("sweeps:\n  x:\n    shapes: [{batch: 1, target_us: -1}]\n", "target_us: must be > 0"),
+        ("sweeps:\n  x:\n    min_naive_speedup: 0\n    shapes: [{batch: 1}]\n", "min_naive_speedup: must be > 0"),
+        ("sweeps:\n  x:\n    shapes: [{batch: 1, target_us: 5}]\n  y:\n    shapes: [{batch: 1, target_us: 6}]\n",
+         "has target_us 5 elsewhere"),
+    ]:
+        with pytest.raises(BadInput, match=problem):
+            bench.load_bench(write_yaml("b.yaml", text))
+
+
+def _timed(shape: str, backend: str, us: float | None) -> dict:
+    return {"shape": shape, "backend": backend, "timing": {"median_us": us} if us is not None else None}
+
+
+def test_judging_the_targets_names_what_is_met_missed_and_too_slow_against_naive(write_yaml):
+    cfg = bench.load_bench(write_yaml("b.yaml", """
+        sweeps:
+          t:
+            min_naive_speedup: 30
+            shapes: [{batch: 1, target_us: 100}, {batch: 2, target_us: 200}, {batch: 3}]
+        """))
+    a, b, c = (s.name for s in bench.expand(cfg, "t", None, None))
+    results = [_timed(a, "naive", 3100), _timed(a, "flash", 99), _timed(b, "naive", 5000), _timed(b, "flash", 201),
+               _timed(c, "naive", 900), _timed(c, "flash", 31), _timed(a, "flash-portable", None)]
+    by = {j["backend"]: j for j in bench.judge_targets(results, cfg)}
+    assert set(by) == {"flash", "flash-portable"}  # naive is the yardstick, not judged
+    f = by["flash"]
+    assert f["met"] == [a] and f["missed"] == [{"shape": b, "median_us": 201, "target_us": 200}]
+    assert f["fast_enough"] == [a] and [(t["shape"], round(t["speedup"], 1)) for t in f["too_slow"]] == [(b, 24.9),
+                                                                                                         (c, 29.0)]
+    p = by["flash-portable"]  # not timed (disagreed with naive, or failed): missed, and not fast enough
+    assert p["met"] == [] and p["missed"][0]["median_us"] is None and p["too_slow"][0]["speedup"] is None
+
+
+def test_a_stored_targets_run_is_judged_against_the_issue_targets():
+    """kdev bench --from on the committed v25 run: the table's verdict in two lines per kernel (no GPU)."""
+    from kdev.config import REPO_ROOT
+
+    stored = str(REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json")
+    r = CliRunner().invoke(app, ["bench", "--from", stored], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert "flash-portable: first targets met at 0 of 7 shapes" in r.output
+    assert "flash: first targets met at 3 of 7 shapes" in r.output and "B1 L32768 N16 H8 50.9 > 30 µs" in r.output
+    assert "flash: at least 30x faster than naive at 6 of 7 shapes; short: B16 L8192 N32 H8 29.1x" in r.output
+    doc = json.loads(CliRunner().invoke(app, ["bench", "--from", stored, "--json"]).stdout)
+    assert {j["backend"]: len(j["met"]) for j in doc["targets"]} == {"flash-portable": 0, "flash": 3}
