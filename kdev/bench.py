@@ -121,6 +121,7 @@ class Method:
     max_seconds: float = 4.0
     l2_flush_factor: int = 2
     tolerance: Tolerance = Tolerance(atol=2e-2, rtol=4e-2, cos_diff=4e-5)
+    graph: bool = False  # time the replay of a CUDA graph that holds one call (how a server runs decode)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
         max_samples=m.positive_int("max_samples", d.max_samples),
         target_rel_spread=m.get("target_rel_spread", float, d.target_rel_spread),
         max_seconds=m.get("max_seconds", float, d.max_seconds),
-        l2_flush_factor=m.positive_int("l2_flush_factor", d.l2_flush_factor),
+        l2_flush_factor=m.positive_int("l2_flush_factor", d.l2_flush_factor), graph=m.get("graph", bool, d.graph),
         tolerance=Tolerance(atol=tol.get("atol", float, d.tolerance.atol), rtol=tol.get("rtol", float, d.tolerance.rtol),
                             cos_diff=tol.get("cos_diff", float, d.tolerance.cos_diff)))
     tol.done()
@@ -471,9 +472,21 @@ class Timing:
 HOST_COVER_CYCLES = 200_000
 
 
+def capture_graph(run):
+    """One call of `run` captured into a CUDA graph (after it has run eagerly: lazy set-up stays out of it);
+    returns the graph's replay, which launches the same kernels on the same buffers on the current stream."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=None) -> Timing:
-    """Cold-L2 samples timed with CUDA events around one call each. before_sample (outputs poisoned, say)
-    runs before the flush, outside the timed region."""
+    """Cold-L2 samples timed with CUDA events around one call each (method.graph: around the replay of a CUDA
+    graph holding one call). before_sample (outputs poisoned, say) runs before the flush, outside the timed region."""
     import torch
 
     from kdev import gpu
@@ -482,6 +495,8 @@ def measure(run, method: Method, flush, nvml=None, handle=None, before_sample=No
     for _ in range(method.warmup):
         run()
     torch.cuda.synchronize()
+    if method.graph:
+        run = capture_graph(run)
     samples, dropped, clocks = [], 0, []
     stop = "max-samples"
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

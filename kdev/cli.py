@@ -347,10 +347,14 @@ def bench_cmd(
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
                                            "build for this GPU)."),
     plan_gpu_name: Optional[str] = PlanGpuOpt,
+    graph: bool = typer.Option(False, "--graph", help="Time the replay of a CUDA graph holding one call (as a server "
+                               "runs decode) instead of the eager launches."),
     json_out: bool = JsonOpt,
 ):
     """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings (and, with the
     tree-kernels sweep, the DDTree build, accept and compaction kernels)."""
+    import dataclasses
+
     from kdev import bench
 
     if plot_metric not in ("time", "roofline"):
@@ -364,6 +368,8 @@ def bench_cmd(
     if base_results is not None:
         _require_reference(normalize_by, base_results, str(baseline))
     cfg = bench.load_bench(config)
+    if graph:
+        cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, graph=True))
     if from_file:
         doc = bench.load_results(from_file)
     else:
@@ -486,6 +492,8 @@ def bench_cmd(
 
         planned = prov.get("plan")
         plan_s = f"; flash calls planned as for {PlanTarget.from_dict(planned).label}" if planned else ""
+        if (prov.get("method") or {}).get("graph"):
+            plan_s += "; CUDA-graph replays"
         report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s}{plan_s})", cols,
                                  rows, {"left": ("shape", "backend")}))
         for line in _target_lines(judged):

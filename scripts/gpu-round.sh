@@ -11,9 +11,10 @@
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
 #                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
-#                               [--timeline SHAPE]... [--step-timeout SECONDS]
+#                               [--timeline SHAPE]... [--step-timeout SECONDS] [--graph]
 # --backend LIST names the backends of the bench steps; triton among them is timed in a step of its own, beside
 # flash-portable, its table in round.log (below: a Triton fault would otherwise take the sweep's timings with it).
+# --graph: each sweep's backends are also timed as CUDA-graph replays (kdev bench --graph), the table in round.log.
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -71,7 +72,7 @@ if [ -z "$ARCH" ]; then
   if [[ "$cc" =~ ^([0-9]+)\.([0-9])$ ]]; then ARCH="sm_${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; else ARCH=sm_90; fi
 fi
 [[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
-FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0
+FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
 VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
@@ -103,6 +104,7 @@ while [ $# -gt 0 ]; do
     --variant-patch) IFS=, read -ra more <<< "$2"; PATCHES+=("${more[@]}"); shift 2 ;;
     --timeline) TIMELINES+=("$2"); shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
+    --graph) GRAPH=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -209,6 +211,9 @@ for sw in ${SWEEP//,/ }; do
   fi
   if [ "$PEER_TRITON" = 1 ]; then  # its table goes to round.log (the files a round returns are few)
     step "bench-$sw-triton" python3 -m kdev bench --sweep "$sw" --backend flash-portable,triton
+  fi
+  if [ "$GRAPH" = 1 ]; then  # the same backends timed as CUDA-graph replays (how a server runs decode), into round.log
+    step "bench-$sw-graph" python3 -m kdev bench --sweep "$sw" --graph ${BACKENDS:+--backend "$BACKENDS"}
   fi
 done
 if [ -n "$AB_KERNELS" ]; then

@@ -303,3 +303,19 @@ def test_a_stored_targets_run_is_judged_against_the_issue_targets():
     assert "flash: at least 30x faster than naive at 6 of 7 shapes; short: B16 L8192 N32 H8 29.1x" in r.output
     doc = json.loads(CliRunner().invoke(app, ["bench", "--from", stored, "--json"]).stdout)
     assert {j["backend"]: len(j["met"]) for j in doc["targets"]} == {"flash-portable": 0, "flash": 3}
+
+
+def test_graph_replay_timing_is_a_method_setting_and_a_flag_and_a_stored_run_says_so(tmp_path, write_yaml):
+    from kdev.config import REPO_ROOT
+
+    assert bench.load_bench().method.graph is False
+    assert bench.load_bench(write_yaml("b.yaml", "method: {graph: true}\nsweeps:\n  x:\n    shapes: [{batch: 1}]\n")
+                            ).method.graph is True
+    with pytest.raises(BadInput, match="graph: expected bool"):
+        bench.load_bench(write_yaml("c.yaml", "method: {graph: 1}\nsweeps:\n  x:\n    shapes: [{batch: 1}]\n"))
+    doc = json.loads((REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json").read_text())
+    doc["provenance"]["method"]["graph"] = True
+    stored = tmp_path / "graph.json"
+    stored.write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "--from", str(stored)], env={"COLUMNS": "400"})
+    assert r.exit_code == 0 and "CUDA-graph replays" in r.output

@@ -341,3 +341,9 @@ def test_fuzz_0_leaves_the_fuzz_steps_out_and_a_count_that_is_no_number_is_refus
     r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "many"], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out2")})
     assert r.returncode == 2 and "--fuzz takes a whole number of cases" in r.stderr
+
+
+def test_graph_adds_a_bench_of_graph_replays_per_sweep(tmp_path):
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend", "flash,naive",
+                                     "--graph"])
+    assert "python3 -m kdev bench --sweep targets --graph --backend flash,naive" in calls

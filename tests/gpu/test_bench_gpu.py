@@ -68,6 +68,23 @@ def test_a_kernel_from_a_second_library_runs_beside_the_first_in_one_run(lib, tm
     assert prov["libraries"][f"flash@{copy.parent}"]["library"] == str(copy)
 
 
+def test_graph_replays_are_checked_and_timed_for_every_kind_of_backend(lib):
+    """bench --graph: each backend's call captured once into a CUDA graph and its replays timed; the outputs the
+    last replay wrote over NaN are checked against naive as in eager timing."""
+    from dataclasses import replace
+
+    cfg = bench.load_bench()
+    cfg = replace(cfg, method=replace(cfg.method, graph=True, max_seconds=1.0))
+    shape = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8"], None)
+    backends = ["flash", "flash-portable", "naive", "torch-eager", "torch-sdpa"]
+    results, prov = bench.run_bench(shape, backends, cfg, lib, {}, seed=6)
+    assert prov["method"]["graph"] is True and [r.backend for r in results] == backends
+    assert all(r.agrees and r.timing and r.timing["samples"] >= 3 for r in results), [(r.backend, r.check) for r in results]
+    tree = bench.expand(cfg, None, ["B=2,L=1000,N=16"], None)
+    for r in bench.run_tree_bench(tree, list(bench.TREE_BACKENDS), cfg, lib, seed=6)[0]:
+        assert r.agrees and r.timing["median_us"] > 0, (r.backend, r.check)
+
+
 def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
     cfg = bench.load_bench()
     shapes = bench.expand(cfg, None, ["B=2,L=1000,N=16", "B=3,L=70,N=64,page=1"], None)
