@@ -383,7 +383,8 @@ def bench_cmd(
         for spec in peer or []:
             peers[spec] = bench.load_peer(spec)
         default = cfg.sweep_backends.get(sweep or "smoke", cfg.backends) if not shape else cfg.backends
-        backends = [b.strip() for b in (backend.split(",") if backend else default) if b.strip()] + list(peers)
+        backends = list(dict.fromkeys(  # each once, in the order given
+            [b.strip() for b in (backend.split(",") if backend else default) if b.strip()] + list(peers)))
         if not backends:
             raise typer.BadParameter("names no backend", param_hint="--backend")
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers
