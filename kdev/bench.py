@@ -46,8 +46,9 @@ DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_siz
 
 def library_backend(name: str) -> tuple[str, str] | None:
     """KERNEL@LIBRARY (e.g. flash@BASE, BASE the library or build folder `kdev build --kernels` made): one of our
-    verify kernels from another build, an A/B base or a variant, timed in the same run as the default library's, so that their ratio is measured in one run (no drift
-    between processes or machine starts). (kernel, library path), or None for a plain backend name."""
+    verify kernels from another build, an A/B base or a variant, timed in the same run as the default library's, so
+    that their ratio is measured in one run (no drift between processes or machine starts). (kernel, library path),
+    or None for a plain backend name."""
     from kdev.abi import VERIFY_KERNELS
 
     kernel, at, path = name.partition("@")
@@ -170,7 +171,8 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
         max_samples=m.positive_int("max_samples", d.max_samples),
         target_rel_spread=m.get("target_rel_spread", float, d.target_rel_spread),
         max_seconds=m.get("max_seconds", float, d.max_seconds),
-        l2_flush_factor=m.positive_int("l2_flush_factor", d.l2_flush_factor), graph=m.get("graph", bool, d.graph),
+        l2_flush_factor=m.positive_int("l2_flush_factor", d.l2_flush_factor),
+        graph=m.get("graph", bool, d.graph),
         tolerance=Tolerance(atol=tol.get("atol", float, d.tolerance.atol), rtol=tol.get("rtol", float, d.tolerance.rtol),
                             cos_diff=tol.get("cos_diff", float, d.tolerance.cos_diff)))
     tol.done()
