@@ -781,7 +781,8 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         torch.cuda.empty_cache()
     prov = _provenance(cfg, lib, ident, ceil, seed, l2)
     if others:  # which build each KERNEL@LIBRARY backend ran
-        prov["libraries"] = {name: {"library": str(o.path), "build_info": o.build_info} for name, (o, _) in others.items()}
+        prov["libraries"] = {name: {"library": str(o.path), "build_info": o.build_info}
+                             for name, (o, _) in others.items()}
     return results, prov
 
 

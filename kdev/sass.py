@@ -310,8 +310,9 @@ def compare(base: list[Function], this: list[Function], kernel: str = "",
     instructions), registers (identical but for register numbers: ptxas allocated them differently; the numbers are
     not checked against each other, so this says "look at the allocation", not "the same program"), changed, added
     (only in this build) or removed (only in the base); instruction counts, the number of instructions that differ,
-    and the sizes of the loops that issue HMMA in each with their shared-memory wavefronts. A kernel added under a new name whose code is a removed
-    kernel's (a template argument added, a kernel renamed) names it in `code_of`, how alike in `code_likeness`."""
+    and the sizes of the loops that issue HMMA in each with their shared-memory wavefronts. A kernel added under a
+    new name whose code is a removed kernel's (a template argument added, a kernel renamed) names it in `code_of`,
+    how alike in `code_likeness`."""
     old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
     if not old and not new:
         have = sorted(set(demangle(sorted({f.name for f in base + this})).values()))

@@ -79,7 +79,8 @@ def test_graph_replays_are_checked_and_timed_for_every_kind_of_backend(lib):
     backends = ["flash", "flash-portable", "naive", "torch-eager", "torch-sdpa"]
     results, prov = bench.run_bench(shape, backends, cfg, lib, {}, seed=6)
     assert prov["method"]["graph"] is True and [r.backend for r in results] == backends
-    assert all(r.agrees and r.timing and r.timing["samples"] >= 3 for r in results), [(r.backend, r.check) for r in results]
+    assert all(r.agrees and r.timing and r.timing["samples"] >= 3 for r in results), [(r.backend, r.check)
+                                                                                       for r in results]
     tree = bench.expand(cfg, None, ["B=2,L=1000,N=16"], None)
     for r in bench.run_tree_bench(tree, list(bench.TREE_BACKENDS), cfg, lib, seed=6)[0]:
         assert r.agrees and r.timing["median_us"] > 0, (r.backend, r.check)
