@@ -45,26 +45,29 @@ DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_siz
 
 
 def library_backend(name: str) -> tuple[str, str] | None:
-    """KERNEL@LIBRARY (e.g. flash@BASE, BASE the library or build folder `kdev build --kernels` made): one of our
-    verify kernels from another build, an A/B base or a variant, timed in the same run as the default library's, so
-    that their ratio is measured in one run (no drift between processes or machine starts). (kernel, library path),
-    or None for a plain backend name."""
+    """KERNEL@REF: one of our verify kernels from another build, timed in the same run as this run's library's, so
+    that their ratio is measured in one run (no drift between processes or machine starts). REF is a library or its
+    build folder, a copy of kernels/ (an A/B base or a variant), or a git revision (flash@main: main's kernels/);
+    the last two are built for this GPU on first use. (kernel, REF), or None for a plain backend name."""
+    from kdev import build as kbuild
     from kdev.abi import VERIFY_KERNELS
 
-    kernel, at, path = name.partition("@")
+    kernel, at, ref = name.partition("@")
     if not at:
         return None
-    if kernel not in VERIFY_KERNELS or not path:
-        raise BadInput(f"backend {name!r}: KERNEL@LIBRARY takes one of {', '.join(VERIFY_KERNELS)} and a library "
-                       "(or its build folder)")
-    if not Path(path).exists():
-        raise BadInput(f"backend {name!r}: {path}: no such library")
-    return kernel, path
+    if kernel not in VERIFY_KERNELS or not ref:
+        raise BadInput(f"backend {name!r}: KERNEL@REF takes one of {', '.join(VERIFY_KERNELS)} and a library, "
+                       "build folder, copy of kernels/ or git revision")
+    if kbuild.describe_library_ref(ref) is None:
+        raise BadInput(f"backend {name!r}: {ref}: no library, build folder, copy of kernels/ or git revision")
+    return kernel, ref
 
 
-def load_library_backends(backends: list[str], plan_sms: int = 0) -> dict:
-    """{backend name: (Library, kernel)} for the KERNEL@LIBRARY backends, each library loaded once; a library
-    without the kernel's entry point (built before it existed) is bad input, refused before anything runs."""
+def load_library_backends(backends: list[str], plan_sms: int = 0, arch: str | None = None, log=None) -> dict:
+    """{backend name: (Library, kernel)} for the KERNEL@REF backends, each library loaded once (a kernels/ tree or a
+    revision built first, for `arch`: this GPU's unless named). A library without the kernel's entry point (built
+    before it existed) is bad input, refused before anything runs; one that fails the resource gate is timed with
+    a warning, as the variants of a GPU round are."""
     from kdev import build as kbuild
     from kdev.abi import Library
 
@@ -73,8 +76,19 @@ def load_library_backends(backends: list[str], plan_sms: int = 0) -> dict:
         parsed = library_backend(name)
         if parsed is None:
             continue
-        kernel, path = parsed
-        key = str(kbuild.library_file(Path(path)).resolve())  # a build folder stands for its library
+        kernel, ref = parsed
+        if kbuild.describe_library_ref(ref) == "library":
+            path = kbuild.library_file(Path(ref))
+        else:
+            if arch is None:
+                from kdev import gpu
+
+                arch = gpu.current_arch()
+            res = kbuild.library_for(ref, [arch], log)
+            if res.problems and log:
+                log(f"{name}: its build fails the resource gate ({res.problems[0]}); timed anyway")
+            path = res.library
+        key = str(Path(path).resolve())
         if key not in libraries:
             libraries[key] = Library(path)
             if plan_sms:
@@ -441,7 +455,7 @@ def make_runner(name: str, x, lib, peers: dict, others: dict | None = None) -> R
 
     if name in VERIFY_KERNELS:
         return AbiRunner(lib, name, x)
-    if others and name in others:  # KERNEL@LIBRARY
+    if others and name in others:  # KERNEL@REF
         other_lib, kernel = others[name]
         return AbiRunner(other_lib, kernel, x)
     if name == "torch-eager":
@@ -780,7 +794,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         del oracle, x, ref_out, ref_lse
         torch.cuda.empty_cache()
     prov = _provenance(cfg, lib, ident, ceil, seed, l2)
-    if others:  # which build each KERNEL@LIBRARY backend ran
+    if others:  # which build each KERNEL@REF backend ran
         prov["libraries"] = {name: {"library": str(o.path), "build_info": o.build_info}
                              for name, (o, _) in others.items()}
     return results, prov

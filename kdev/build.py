@@ -446,3 +446,74 @@ def latest_library(output_dir: Path | None = None) -> Path | None:
         return None
     lib = Path(record["library"])
     return lib if lib.is_file() else None
+
+
+# ------------------------------------------------------------------------------ another build, by reference
+def git_revision(ref: str, repo: Path = REPO_ROOT) -> str | None:
+    """The full commit id `ref` names in repo (a branch, a tag, a sha, HEAD~1), or None."""
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def is_kernel_tree(path: Path) -> bool:
+    """A copy of kernels/ (an A/B base or candidate): its include/ folder and at least one .cu file."""
+    return path.is_dir() and (path / "include").is_dir() and any(path.glob("*.cu"))
+
+
+def describe_library_ref(ref: str, repo: Path = REPO_ROOT) -> str | None:
+    """What `ref` names for a library to load: "library" (a .so or a build folder), "kernels" (a copy of
+    kernels/ to build), "revision" (a git revision whose kernels/ to build), or None."""
+    p = Path(ref)
+    if p.is_file() or (p.is_dir() and (p / LIB_NAME).is_file()):
+        return "library"
+    if is_kernel_tree(p):
+        return "kernels"
+    return "revision" if git_revision(ref, repo) else None
+
+
+def revision_kernels(ref: str, repo: Path = REPO_ROOT, output_dir: Path | None = None) -> Path:
+    """kernels/ as commit `ref` has it, extracted once into build/ab-<commit>/kernels (named by the commit, so a
+    second call finds it; written into a temporary folder first and renamed, so a half-written tree is never
+    found)."""
+    import io
+    import tarfile
+
+    sha = git_revision(ref, repo)
+    if sha is None:
+        raise BadInput(f"{ref}: no such git revision in {repo}")
+    dest = (output_dir or repo / "build") / f"ab-{sha[:12]}"
+    if is_kernel_tree(dest / "kernels"):
+        return dest / "kernels"
+    r = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha, "kernels"], capture_output=True)
+    if r.returncode != 0:
+        raise BadInput(f"{ref}: git archive of its kernels/ failed: "
+                       f"{(r.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".ab-{sha[:12]}.", dir=dest.parent))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "kernels"
+
+
+def library_for(ref: str, archs: list[str], log=None, repo: Path = REPO_ROOT) -> BuildResult | Path:
+    """The library `ref` names: a library file or build folder as it is (its path); a copy of kernels/, or a git
+    revision's kernels/ (extracted by revision_kernels), built for `archs` into a library of its own as an A/B
+    variant (kdev build --kernels: cached by content, latest.json left alone; its BuildResult)."""
+    from kdev import config
+
+    kind = describe_library_ref(ref, repo)
+    if kind is None:
+        raise BadInput(f"{ref}: no library, build folder, copy of kernels/ or git revision")
+    if kind == "library":
+        return library_file(Path(ref))
+    tree = Path(ref).resolve() if kind == "kernels" else revision_kernels(ref, repo)
+    return build(config.load_build(None, list(archs)), log=log, kernel_dir=tree, variant=True)

@@ -327,7 +327,8 @@ def bench_cmd(
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml); "
-                                          "KERNEL@LIBRARY times that kernel of another build in the same run."),
+                                          "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
+                                          "a copy of kernels/ or a git revision)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
     loop: Optional[list[str]] = typer.Option(
@@ -388,7 +389,7 @@ def bench_cmd(
         if not backends:
             raise typer.BadParameter("names no backend", param_hint="--backend")
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers
-               and bench.library_backend(b) is None]  # KERNEL@LIBRARY: its kernel and path checked there
+               and bench.library_backend(b) is None]  # KERNEL@REF: its kernel and reference checked there
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
         if "triton" in backends:
@@ -407,7 +408,7 @@ def bench_cmd(
         lib = abi.load_library(library, report.info)
         if plan:
             lib.plan_as(plan.sms)
-        others = bench.load_library_backends(backends, plan.sms if plan else 0)
+        others = bench.load_library_backends(backends, plan.sms if plan else 0, log=report.info)
         if ceilings:
             import torch
 
@@ -499,7 +500,7 @@ def bench_cmd(
                                  rows, {"left": ("shape", "backend")}))
         for line in _target_lines(judged):
             report.show(line)
-        for name, other in (prov.get("libraries") or {}).items():  # KERNEL@LIBRARY backends: which build ran
+        for name, other in (prov.get("libraries") or {}).items():  # KERNEL@REF backends: which build ran
             report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
         for r in results:
             if not r["agrees"]:

@@ -224,19 +224,53 @@ def test_an_output_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     assert r.exit_code == 2 and str(blocker) in r.stderr and "Traceback" not in r.output
 
 
-def test_a_kernel_from_another_library_is_a_backend_named_kernel_at_library(tmp_path):
-    """KERNEL@LIBRARY: our verify kernels only, and a path that exists; checked before the GPU is looked for."""
+def test_a_kernel_of_another_build_is_a_backend_named_kernel_at_ref(tmp_path):
+    """KERNEL@REF: our verify kernels only; REF a library or build folder, a copy of kernels/ or a git revision;
+    checked before the GPU is looked for."""
     lib = tmp_path / "base" / "libkdtree.so"
     lib.parent.mkdir()
     lib.write_bytes(b"")
+    tree = tmp_path / "copy" / "kernels"
+    (tree / "include").mkdir(parents=True)
+    (tree / "verify_attn.cu").write_text("")
     assert bench.library_backend("flash") is None
     assert bench.library_backend(f"flash-portable@{lib.parent}") == ("flash-portable", str(lib.parent))
+    assert bench.library_backend(f"flash@{tree}") == ("flash", str(tree))
+    assert bench.library_backend("naive@HEAD") == ("naive", "HEAD")
     for name, problem in [("triton@x", "takes one of naive, flash, flash-portable"), ("flash@", "takes one of"),
-                          ("accept@x", "takes one of"), (f"flash@{tmp_path}/nope", "nope: no such library")]:
+                          ("accept@x", "takes one of"),
+                          (f"flash@{tmp_path}/nope", "nope: no library, build folder, copy of kernels/ or git revision"),
+                          ("flash@no-such-branch-here", "no-such-branch-here: no library")]:
         with pytest.raises(BadInput, match=problem):
             bench.library_backend(name)
         r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--backend", f"flash,{name}"])
         assert r.exit_code == 2 and problem.split(": ")[-1] in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
+    """flash@REV: kernels/ as that commit has it, extracted once under build/ab-<commit> and built as an A/B variant
+    for the arch asked (the build itself stood in for: it is kdev build --kernels, tested with the build)."""
+    from kdev import build as kbuild
+
+    sha = kbuild.git_revision("HEAD")
+    assert sha and kbuild.describe_library_ref("HEAD") == "revision"
+    built = []
+
+    def fake_build(cfg, log=None, kernel_dir=None, variant=False):
+        built.append((cfg.archs, kernel_dir, variant))
+        return kbuild.BuildResult(library=tmp_path / "lib.so", folder=tmp_path, cached=False, key="k",
+                                  build_info={}, resources=[], problems=[], launches=[], embedded={}, seconds=0.0)
+
+    monkeypatch.setattr(kbuild, "build", fake_build)
+    tree = kbuild.revision_kernels("HEAD", output_dir=tmp_path / "build")
+    assert tree == tmp_path / "build" / f"ab-{sha[:12]}" / "kernels" and kbuild.is_kernel_tree(tree)
+    assert sorted(p.name for p in tree.glob("*.cu")) == sorted(p.name for p in kbuild.KERNEL_DIR.glob("*.cu"))
+    assert kbuild.revision_kernels(sha, output_dir=tmp_path / "build") == tree  # found again, not extracted twice
+    assert [p.name for p in (tmp_path / "build").iterdir()] == [f"ab-{sha[:12]}"]  # no temporary folder left
+    res = kbuild.library_for(str(tree), ["sm_90"])
+    assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree.resolve(), True)]
+    with pytest.raises(BadInput, match="no such git revision"):
+        kbuild.revision_kernels("no-such-branch-here")
 
 
 def test_library_backends_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):

@@ -308,7 +308,7 @@ def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
 
 def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
     """A dry --ab round: after the two pairs of processes, one bench run times each flash backend from the base's
-    library beside the working tree's (KERNEL@LIBRARY)."""
+    library beside the working tree's (KERNEL@REF)."""
     _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend",
                                      "flash,flash-portable,naive", "--ab", str(_ab_base(tmp_path))])
     assert sum(c.startswith("python3 -m kdev bench --library /base/libkdtree.so --sweep targets") for c in calls) == 2

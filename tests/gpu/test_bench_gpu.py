@@ -50,17 +50,23 @@ def test_a_peer_that_raises_is_reported_and_the_run_goes_on(lib):
 
 
 def test_a_kernel_from_a_second_library_runs_beside_the_first_in_one_run(lib, tmp_path):
-    """flash@LIBRARY: a copy of the library (another file, so a second instance of the library and of its CUDA runtime
-    in this process, as an A/B base is) is checked against naive and timed in the same run as the first."""
+    """flash@REF: a copy of the library (another file, so a second instance of the library and of its CUDA runtime
+    in this process, as an A/B base is) and a copy of kernels/ (built for this GPU on first use) are checked against
+    naive and timed in the same run as the first."""
     import shutil
+
+    from kdev import build as kbuild
 
     copy = tmp_path / "base" / lib.path.name
     copy.parent.mkdir()
     shutil.copy2(lib.path, copy)
+    tree = tmp_path / "tree" / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, tree)
     cfg = bench.load_bench()
     shape = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8"], None)
-    backends = ["flash", f"flash@{copy.parent}", f"flash-portable@{copy}"]
+    backends = ["flash", f"flash@{copy.parent}", f"flash-portable@{copy}", f"flash@{tree}"]
     others = bench.load_library_backends(backends)
+    assert others[f"flash@{tree}"][0].build_info["variant"] is True
     results, prov = bench.run_bench(shape, backends, cfg, lib, {}, seed=4, others=others)
     by = {r.backend: r for r in results}
     assert all(r.agrees and r.timing for r in results), [(r.backend, r.check) for r in results]
