@@ -301,6 +301,57 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
     return Library(res.library)
 
 
+# ------------------------------------------------------------------------------ kernels of another build
+def kernel_ref(name: str) -> tuple[str, str] | None:
+    """KERNEL@REF: one of our verify kernels from another build, run beside this run's library's (kdev bench times
+    both in one run, kdev verify compares them). REF is a library or its build folder, a copy of kernels/ (an A/B
+    base or a variant), or a git revision (flash@main: main's kernels/); the last two are built for this GPU on
+    first use. (kernel, REF), or None for a plain kernel name."""
+    kernel, at, ref = name.partition("@")
+    if not at:
+        return None
+    if kernel not in VERIFY_KERNELS or not ref:
+        raise BadInput(f"{name!r}: KERNEL@REF takes one of {', '.join(VERIFY_KERNELS)} and a library, "
+                       "build folder, copy of kernels/ or git revision")
+    if kbuild.describe_library_ref(ref) is None:
+        raise BadInput(f"{name!r}: {ref}: no library, build folder, copy of kernels/ or git revision")
+    return kernel, ref
+
+
+def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = None, log=None) -> dict:
+    """{name: (Library, kernel)} for the KERNEL@REF names, each library loaded once (a kernels/ tree or a
+    revision built first, for `arch`: this GPU's unless named). A library without the kernel's entry point (built
+    before it existed) is bad input, refused before anything runs; one that fails the resource gate is run with a
+    warning, as the variants of a GPU round are."""
+    libraries, others = {}, {}
+    for name in names:
+        parsed = kernel_ref(name)
+        if parsed is None:
+            continue
+        kernel, ref = parsed
+        if kbuild.describe_library_ref(ref) == "library":
+            path = kbuild.library_file(Path(ref))
+        else:
+            if arch is None:
+                from kdev import gpu
+
+                arch = gpu.current_arch()
+            res = kbuild.library_for(ref, [arch], log)
+            if res.problems and log:
+                log(f"{name}: its build fails the resource gate ({res.problems[0]}); run anyway")
+            path = res.library
+        key = str(Path(path).resolve())
+        if key not in libraries:
+            libraries[key] = Library(path)
+            if plan_sms:
+                libraries[key].plan_as(plan_sms)
+        lib = libraries[key]
+        if kernel not in lib.kernels:
+            raise BadInput(f"{name!r}: {lib.path} has no {kernel} entry point (built before it existed)")
+        others[name] = (lib, kernel)
+    return others
+
+
 # ------------------------------------------------------------------------------------------ DDTree kernels
 class DDTreeBuildParams(ctypes.Structure):
     """Mirror of DDTreeBuildParams in kernels/include/kdev/ddtree.cuh."""

@@ -44,62 +44,6 @@ PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
 
 
-def library_backend(name: str) -> tuple[str, str] | None:
-    """KERNEL@REF: one of our verify kernels from another build, timed in the same run as this run's library's, so
-    that their ratio is measured in one run (no drift between processes or machine starts). REF is a library or its
-    build folder, a copy of kernels/ (an A/B base or a variant), or a git revision (flash@main: main's kernels/);
-    the last two are built for this GPU on first use. (kernel, REF), or None for a plain backend name."""
-    from kdev import build as kbuild
-    from kdev.abi import VERIFY_KERNELS
-
-    kernel, at, ref = name.partition("@")
-    if not at:
-        return None
-    if kernel not in VERIFY_KERNELS or not ref:
-        raise BadInput(f"backend {name!r}: KERNEL@REF takes one of {', '.join(VERIFY_KERNELS)} and a library, "
-                       "build folder, copy of kernels/ or git revision")
-    if kbuild.describe_library_ref(ref) is None:
-        raise BadInput(f"backend {name!r}: {ref}: no library, build folder, copy of kernels/ or git revision")
-    return kernel, ref
-
-
-def load_library_backends(backends: list[str], plan_sms: int = 0, arch: str | None = None, log=None) -> dict:
-    """{backend name: (Library, kernel)} for the KERNEL@REF backends, each library loaded once (a kernels/ tree or a
-    revision built first, for `arch`: this GPU's unless named). A library without the kernel's entry point (built
-    before it existed) is bad input, refused before anything runs; one that fails the resource gate is timed with
-    a warning, as the variants of a GPU round are."""
-    from kdev import build as kbuild
-    from kdev.abi import Library
-
-    libraries, others = {}, {}
-    for name in backends:
-        parsed = library_backend(name)
-        if parsed is None:
-            continue
-        kernel, ref = parsed
-        if kbuild.describe_library_ref(ref) == "library":
-            path = kbuild.library_file(Path(ref))
-        else:
-            if arch is None:
-                from kdev import gpu
-
-                arch = gpu.current_arch()
-            res = kbuild.library_for(ref, [arch], log)
-            if res.problems and log:
-                log(f"{name}: its build fails the resource gate ({res.problems[0]}); timed anyway")
-            path = res.library
-        key = str(Path(path).resolve())
-        if key not in libraries:
-            libraries[key] = Library(path)
-            if plan_sms:
-                libraries[key].plan_as(plan_sms)
-        lib = libraries[key]
-        if kernel not in lib.kernels:
-            raise BadInput(f"backend {name!r}: {lib.path} has no {kernel} entry point (built before it existed)")
-        others[name] = (lib, kernel)
-    return others
-
-
 # ---------------------------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class Shape:

@@ -188,9 +188,12 @@ def build_cmd(
 
 
 # ----------------------------------------------------------------------------------------------- verify
-def _kernel_list(value: str, allowed) -> list[str]:
+def _kernel_list(value: str, allowed, refs: bool = False) -> list[str]:
+    """--kernel's comma-separated names, each once; refs: KERNEL@REF names too (abi.kernel_ref checks them)."""
+    from kdev import abi
+
     names = [k.strip() for k in value.split(",") if k.strip()]
-    bad = [k for k in names if k not in allowed]
+    bad = [k for k in names if k not in allowed and not (refs and abi.kernel_ref(k) is not None)]
     if bad or not names:
         raise typer.BadParameter(f"unknown kernel {bad[0] if bad else value!r} (have {', '.join(allowed)})",
                                  param_hint="--kernel")
@@ -212,7 +215,9 @@ def verify_cmd(
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
     kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
-                                    "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact."),
+                                    "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact; "
+                                    "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
+                                    "revision), compared with the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),
@@ -232,7 +237,7 @@ def verify_cmd(
     from kdev import abi, vectors, verify
     from kdev.plan import plan_target
 
-    kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS))
+    kernels = _kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS), refs=True)
     plan_gpu = plan_target(plan_gpu_name) if plan_gpu_name else None
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
@@ -265,7 +270,7 @@ def verify_cmd(
                              "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
                 continue
             rows.append([r.case, r.kernel + vs, report.fmt_float(r.out.max_abs), f"{r.out.cos_diff:.1e}",
-                         report.fmt_float(r.lse.max_abs), r.token.label(),
+                         report.fmt_float(r.lse.max_abs), r.token.label() + (", same bits" if r.note else ""),
                          "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
         title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
         if plan_gpu:
@@ -283,7 +288,9 @@ def verify_cmd(
         for path in run.saved_failures:
             report.info(f"failing case kept as a regression vector: {path}")
         per = run.record["kernels"]
-        summary = ", ".join(f"{k}: {v['checks'] - v['failed']}/{v['checks']} passed" for k, v in per.items())
+        summary = ", ".join(f"{k}: {v['checks'] - v['failed']}/{v['checks']} passed"
+                            + (f" ({v['bit_identical_to_first']} bit-identical to {next(iter(per))})"
+                               if v.get("bit_identical_to_first") else "") for k, v in per.items())
         verdict = "[green]PASS[/]" if run.passed else "[red]FAIL[/]"
         seed_note = f" (seed {run.fuzz_seed})" if run.fuzz_seed is not None else ""
         report.show(f"{verdict} {summary}{seed_note}; ledger {run.ledger_path}")
@@ -305,9 +312,10 @@ def _worst_rows(results) -> list[list]:
             rows.append([name, "-", "-", "-", f"{len(rs)} checks exact", verdict])
             continue
         ties = sum(r.token.ties for r in with_out if r.token)
+        same = sum(r.note == "bit-identical" for r in with_out)
         rows.append([name, report.fmt_float(max(r.out.max_abs for r in with_out)),
                      f"{max(r.out.cos_diff for r in with_out):.1e}", report.fmt_float(max(r.lse.max_abs for r in with_out)),
-                     f"{len(with_out)} checks, {ties} ties", verdict])
+                     f"{len(with_out)} checks, {ties} ties" + (f", {same} same bits" if same else ""), verdict])
     return rows
 
 
@@ -389,7 +397,7 @@ def bench_cmd(
         if not backends:
             raise typer.BadParameter("names no backend", param_hint="--backend")
         bad = [b for b in backends if b not in bench.ATTENTION_BACKENDS + bench.TREE_BACKENDS and b not in peers
-               and bench.library_backend(b) is None]  # KERNEL@REF: its kernel and reference checked there
+               and abi.kernel_ref(b) is None]  # KERNEL@REF: its kernel and reference checked there
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
         if "triton" in backends:
@@ -408,7 +416,7 @@ def bench_cmd(
         lib = abi.load_library(library, report.info)
         if plan:
             lib.plan_as(plan.sms)
-        others = bench.load_library_backends(backends, plan.sms if plan else 0, log=report.info)
+        others = abi.load_kernel_refs(backends, plan.sms if plan else 0, log=report.info)
         if ceilings:
             import torch
 

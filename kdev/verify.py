@@ -228,9 +228,11 @@ def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict
 
 
 def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: Tolerances, kernels: list[str],
-               repeat: int, proj_cache: dict, device) -> list[CaseResult]:
+               repeat: int, proj_cache: dict, device, others: dict | None = None) -> list[CaseResult]:
     """Run every kernel on one case; results against the golden, then each attention kernel against the
-    first one."""
+    first one (noting where the two gave the same bits). others: {KERNEL@REF name: (Library, kernel)}, kernels of
+    another build (abi.load_kernel_refs)."""
+    others = others or {}
     results = []
     tree_kernels = [k for k in kernels if k in TREE_KERNELS]
     if tree_kernels:
@@ -256,8 +258,9 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
     golden_out = tensors["out"].to(device)
     outputs = {}
     for kernel in kernels:
+        klib, kname = others.get(kernel, (lib, kernel))
         try:
-            out, lse = lib.run(kernel, x, sync=False)
+            out, lse = klib.run(kname, x, sync=False)
             err = _cuda_sync_ok(device)
             if err:
                 raise RuntimeError(err)
@@ -265,7 +268,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
             if repeat > 1:
                 identical = True
                 for _ in range(repeat - 1):
-                    o2, l2 = lib.run(kernel, x)
+                    o2, l2 = klib.run(kname, x)
                     identical &= torch.equal(o2.view(torch.int16), out.view(torch.int16)) and torch.equal(
                         l2.view(torch.int32), lse.view(torch.int32))
         except (abi.KernelError, RuntimeError) as e:
@@ -292,7 +295,10 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
                               nodes=tok_t.nodes, node_mismatches=tok_t.node_mismatches + tok_b.node_mismatches,
                               ties=tok_t.ties, walk_mismatches=int(walks_differ and not explained),
                               walk_ties=int(walks_differ and explained), accepted=tok_t.accepted)
-            results.append(CaseResult(name, kernel, base, c_out.passed and c_lse.passed and tok.passed, c_out, c_lse, tok))
+            same_bits = torch.equal(o.view(torch.int16), ob.view(torch.int16)) and torch.equal(
+                l.view(torch.int32), lb.view(torch.int32))
+            results.append(CaseResult(name, kernel, base, c_out.passed and c_lse.passed and tok.passed, c_out, c_lse, tok,
+                                      note="bit-identical" if same_bits else ""))
     return results
 
 
@@ -376,6 +382,7 @@ def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
     for k in kernels:
         rs = [r for r in results if r.kernel == k]
         per[k] = {"cases": len({r.case for r in rs}), "checks": len(rs), "failed": sum(not r.passed for r in rs),
+                  "bit_identical_to_first": sum(r.note == "bit-identical" for r in rs if r.against != "golden"),
                   "passed": all(r.passed for r in rs) and bool(rs),
                   "ties": sum(r.token.ties for r in rs if r.token), "worst_abs_out": max(
                       (r.out.max_abs for r in rs if r.out), default=None)}
@@ -383,7 +390,7 @@ def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
 
 
 def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: abi.Library, gpu: dict,
-                suite: dict, plan_gpu=None) -> dict:
+                suite: dict, plan_gpu=None, others: dict | None = None) -> dict:
     per = summarize(results, kernels)
     # plan: the GPU (or SM count) whose split plan the flash calls took (kdev verify --plan-gpu); None: this GPU's own
     plan = plan_gpu.to_dict() if plan_gpu else None
@@ -391,6 +398,9 @@ def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: a
         "schema_version": LEDGER_SCHEMA, "timestamp": now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
         "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
+        # the builds of the KERNEL@REF kernels (another build's, beside this library's)
+        "libraries": {k: {"library": str(o.path), "source_hash": o.build_info.get("source_hash")}
+                      for k, (o, _) in (others or {}).items()},
         "failures": [{"case": r.case, "kernel": r.kernel, "against": r.against,
                       "reason": r.error or "; ".join(x for x in (
                           r.out.reason if r.out else "", r.lse.reason if r.lse else "",
@@ -457,18 +467,19 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
             raise BadInput(f"{suite.path}: no case named {unknown[0]!r}")
         entries = [e for e in entries if e["name"] in cases]
     lib = load_planned_library(lib_path, log, plan_gpu)
+    others = abi.load_kernel_refs(kernels, plan_gpu.sms if plan_gpu else 0, log=log)
     device = torch.device("cuda", torch.cuda.current_device())
     results, proj_cache = [], {}
     for entry in entries:
         tensors = suite.load_case(entry)
         results += check_case(lib, entry["name"], tensors, entry["scale"], suite.tolerances(entry), kernels, repeat,
-                              proj_cache, device)
+                              proj_cache, device, others)
         if progress:
             progress(entry["name"])
     info = {"name": suite.name, "path": str(suite.path), "manifest_sha256": suite.manifest_sha256,
             "generator_hash": suite.manifest.get("generator_hash"), "stale": suite.stale,
             "cases": [e["name"] for e in entries], "repeat": repeat}
-    record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu)
+    record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu, others)
     path = append_record(record) if write_ledger else None
     return VerifyRun("suite", kernels, results, record, path)
 
@@ -480,6 +491,7 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
 
     gpu.require_cuda("kdev verify --fuzz")
     lib = load_planned_library(lib_path, log, plan_gpu)
+    others = abi.load_kernel_refs(kernels, plan_gpu.sms if plan_gpu else 0, log=log)
     max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)
@@ -494,7 +506,8 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
         t1 = time.monotonic()
         case = vectors.finish_case(inputs, device="cuda")
         t2 = time.monotonic()
-        rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device)
+        rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device,
+                        others)
         seconds["inputs"] += t1 - t0
         seconds["reference"] += t2 - t1
         seconds["check"] += time.monotonic() - t2
@@ -506,6 +519,6 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
             progress(spec.name)
     info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat,
             "seconds": {k: round(v, 1) for k, v in seconds.items()}}
-    record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu)
+    record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu, others)
     path = append_record(record) if write_ledger else None
     return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kdev import bench
+from kdev import abi, bench
 from kdev.cli import app
 from kdev.errors import BadInput
 
@@ -233,16 +233,16 @@ def test_a_kernel_of_another_build_is_a_backend_named_kernel_at_ref(tmp_path):
     tree = tmp_path / "copy" / "kernels"
     (tree / "include").mkdir(parents=True)
     (tree / "verify_attn.cu").write_text("")
-    assert bench.library_backend("flash") is None
-    assert bench.library_backend(f"flash-portable@{lib.parent}") == ("flash-portable", str(lib.parent))
-    assert bench.library_backend(f"flash@{tree}") == ("flash", str(tree))
-    assert bench.library_backend("naive@HEAD") == ("naive", "HEAD")
+    assert abi.kernel_ref("flash") is None
+    assert abi.kernel_ref(f"flash-portable@{lib.parent}") == ("flash-portable", str(lib.parent))
+    assert abi.kernel_ref(f"flash@{tree}") == ("flash", str(tree))
+    assert abi.kernel_ref("naive@HEAD") == ("naive", "HEAD")
     for name, problem in [("triton@x", "takes one of naive, flash, flash-portable"), ("flash@", "takes one of"),
                           ("accept@x", "takes one of"),
                           (f"flash@{tmp_path}/nope", "nope: no library, build folder, copy of kernels/ or git revision"),
                           ("flash@no-such-branch-here", "no-such-branch-here: no library")]:
         with pytest.raises(BadInput, match=problem):
-            bench.library_backend(name)
+            abi.kernel_ref(name)
         r = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--backend", f"flash,{name}"])
         assert r.exit_code == 2 and problem.split(": ")[-1] in r.stderr and "Traceback" not in r.output, r.output
 
@@ -274,16 +274,14 @@ def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
 
 
 def test_library_backends_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):
-    from kdev import abi
-
-    others = bench.load_library_backends(["flash", f"flash@{sm90_library}", f"naive@{sm90_library.parent}"],
+    others = abi.load_kernel_refs(["flash", f"flash@{sm90_library}", f"naive@{sm90_library.parent}"],
                                          plan_sms=188)
     assert sorted(others) == [f"flash@{sm90_library}", f"naive@{sm90_library.parent}"]
     (a, ka), (b, kb) = others[f"flash@{sm90_library}"], others[f"naive@{sm90_library.parent}"]
     assert a is b and (ka, kb) == ("flash", "naive") and a.plan_sm_count == 188  # the run's --plan-gpu applies
     monkeypatch.setitem(abi.VERIFY_KERNELS, "flash-next", "kdtree_verify_attn_flash_next")
     with pytest.raises(BadInput, match="has no flash-next entry point"):
-        bench.load_library_backends([f"flash-next@{sm90_library}"])
+        abi.load_kernel_refs([f"flash-next@{sm90_library}"])
 
 
 def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(write_yaml):

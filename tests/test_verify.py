@@ -140,6 +140,32 @@ def test_check_case_passes_golden_like_outputs_and_catches_a_perturbed_one():
     assert bad[0].out.worst[0][0] == (4, 2, 9)  # the moved element is named first
 
 
+def test_a_kernel_of_another_build_is_checked_beside_this_one_and_same_bits_are_noted():
+    """--kernel flash@main,flash: main's kernel (another library) against the golden, then this build's against it,
+    with the comparison noting where both gave the same bits."""
+    suite = vectors.open_suite("smoke")
+    entry = suite.cases[3]
+    t = suite.load_case(entry)
+    tol = suite.tolerances(entry)
+    kernels = ["flash@main", "flash"]
+    res = verify.check_case(FakeLibrary(t), entry["name"], t, entry["scale"], tol, kernels, 1, {}, "cpu",
+                            {"flash@main": (FakeLibrary(t), "flash")})
+    assert [(r.kernel, r.against, r.passed, r.note) for r in res] == [
+        ("flash@main", "golden", True, ""), ("flash", "golden", True, ""), ("flash", "flash@main", True, "bit-identical")]
+    assert verify.summarize(res, kernels)["flash"]["bit_identical_to_first"] == 1
+    moved = FakeLibrary(t, ("flash", (0, 0, 0)))  # this build's kernel moves one element: no longer the same bits
+    res = verify.check_case(moved, entry["name"], t, entry["scale"], tol, kernels, 1, {}, "cpu",
+                            {"flash@main": (FakeLibrary(t), "flash")})
+    assert res[-1].against == "flash@main" and res[-1].note == ""
+
+
+def test_verify_refuses_a_kernel_ref_that_names_nothing_before_any_gpu_is_asked_for():
+    for name, problem in [("flash@no-such-branch-here", "no library, build folder, copy of kernels/ or git revision"),
+                          ("accept@HEAD", "KERNEL@REF takes one of naive, flash, flash-portable")]:
+        r = CliRunner().invoke(app, ["verify", "--kernel", f"naive,{name}"])
+        assert r.exit_code == 2 and problem in r.stderr and "Traceback" not in r.output, r.output
+
+
 def test_verify_refuses_a_manifest_that_drifted_from_the_config(tiny_suites, tmp_path, monkeypatch):
     import yaml
 

@@ -3,7 +3,7 @@ peer's tests are tests/test_triton_peer.py, compiled on a GPU: gpu-round runs th
 
 import pytest
 
-from kdev import bench
+from kdev import abi, bench
 from kdev.errors import BadInput
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +65,7 @@ def test_a_kernel_from_a_second_library_runs_beside_the_first_in_one_run(lib, tm
     cfg = bench.load_bench()
     shape = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8"], None)
     backends = ["flash", f"flash@{copy.parent}", f"flash-portable@{copy}", f"flash@{tree}"]
-    others = bench.load_library_backends(backends)
+    others = abi.load_kernel_refs(backends)
     assert others[f"flash@{tree}"][0].build_info["variant"] is True
     results, prov = bench.run_bench(shape, backends, cfg, lib, {}, seed=4, others=others)
     by = {r.backend: r for r in results}

@@ -253,6 +253,24 @@ def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
     assert run.passed, (seed, run.record["failures"][:3])
 
 
+def test_a_copy_of_the_library_gives_the_same_bits_in_one_verify_run(lib, tmp_path):
+    """--kernel flash,flash@COPY: the same kernels from a second library instance (as an A/B base is loaded) pass the
+    goldens and give bit for bit the same outputs (the kernels are deterministic)."""
+    import shutil
+
+    from kdev import verify
+
+    copy = tmp_path / "copy" / lib.path.name
+    copy.parent.mkdir()
+    shutil.copy2(lib.path, copy)
+    kernels = ["flash", f"flash@{copy}", f"flash-portable@{copy.parent}"]
+    run = verify.run_suite("smoke", kernels, lib_path=lib.path, write_ledger=False)
+    assert run.passed, run.record["failures"]
+    pairs = [r for r in run.results if r.against == "flash"]
+    assert pairs and all(r.note == "bit-identical" for r in pairs if r.kernel == f"flash@{copy}")
+    assert run.record["libraries"][f"flash@{copy}"]["library"] == str(copy)
+
+
 def test_verify_kernels_replay_from_a_cuda_graph(lib):
     """The ABI allocates nothing and never syncs, so a call can be captured once and replayed (how SGLang
     runs decode). Bounds are computed before the capture: params() reads q_indptr on the host. The flash call
