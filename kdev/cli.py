@@ -690,7 +690,8 @@ def sass_cmd(
                        pair(r["chain_min"], r["chain_median"]),
                        histogram(r["chains"]),
                        pair(r["lead_min"], r["lead_median"]),
-                       r["smem_wavefronts"], f"{r['smem_wavefronts'] / r['hmma']:.2f}"]
+                       f"{r['smem_wavefronts_hot']} / {r['smem_wavefronts']}",
+                       f"{r['smem_wavefronts_hot'] / r['hmma']:.2f}"]
                       for r in rows if r["kernel"] == name]
         report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
                                  ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead",
@@ -700,9 +701,10 @@ def sass_cmd(
     report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
                 "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
                 "LDSM / LDS of an HMMA's fragments to the HMMA; smem wf: 128-byte shared-memory wavefronts the "
-                "loop's instructions move per warp and iteration (conflict-free, rare branches included, tensor "
-                "copies not counted; --json splits it by opcode), wf/HMMA: per HMMA, where a hot path above ~1.7 "
-                "is bound by shared memory at the H200's mma.sync peak")
+                "loop's instructions move per warp and iteration, conflict-free, tensor copies not counted: hot path "
+                "(stretches a branch skips without HMMA, and guarded instructions, left out: an estimate) / every "
+                "instruction once (--json splits it by opcode); wf/HMMA: the hot path's per HMMA, where above ~1.7 a "
+                "loop is bound by shared memory at the H200's mma.sync peak")
 
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:
@@ -736,7 +738,7 @@ def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: 
                 {"left": ("kernel", "arch", "status")}))
             report.show("registers: identical but for register numbers (another allocation); differ: "
                         "instructions that differ (branch targets aside); HMMA loops: the instructions of each loop "
-                        "that issues HMMA; smem wf: their shared-memory wavefronts per warp and iteration")
+                        "that issues HMMA; smem wf: their shared-memory wavefronts per warp and iteration, every instruction once")
         report.show(f"{len(rows) - len(differ)} of {len(rows)} kernels x archs identical to {base}"
                     + (f", {len(differ)} differ" if differ else ""))
     if expect_same and differ:

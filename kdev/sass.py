@@ -9,9 +9,9 @@ Per loop (a backward branch and the instructions it jumps over) that issues HMMA
   A short lead is the ldmatrix latency the warp must cover with other warps' work;
 - the shared-memory wavefronts (128 B) the body's instructions move per warp, and so per HMMA: an SM serves one
   wavefront per cycle and issues an HMMA.16816 every ~1.7 cycles at the H200's mma.sync peak, so a hot path above
-  ~1.7 per HMMA is bound by shared memory there (kernels/NOTES.md). An estimate from the code alone: accesses taken
-  as conflict-free, and every instruction of the body counted once, rare branches (the mask's, a fallback copy's)
-  included; the JSON splits it by opcode.
+  ~1.7 per HMMA is bound by shared memory there (kernels/NOTES.md). Estimates from the code alone, accesses taken as
+  conflict-free: every instruction of the body once (rare branches, the mask's or a fallback copy's, included), and
+  the hot path's (rare_stretches and guarded instructions left out); the JSON splits the first by opcode.
 These are the figures that explained flash v9 without a GPU (kernels/NOTES.md, "where v9 waits"): the
 source kept four S chains, the SASS two.
 
@@ -142,6 +142,27 @@ def _wavefronts_by_op(body: list[Instr]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def rare_stretches(body: list[Instr]) -> list[bool]:
+    """Per instruction of a loop body: True where it sits in a stretch a forward branch of the body jumps over and
+    that stretch issues no HMMA (a mask path, a fallback copy: taken on some iterations only). A skipped stretch
+    with HMMA is taken as the hot path (a tile's tensor work is what the loop is for). A heuristic from the code
+    alone: work under a branch that runs on most iterations (a copy of the next tile behind a bounds test) counts
+    as rare."""
+    at = {ins.addr: k for k, ins in enumerate(body)}
+    rare = [False] * len(body)
+    for k, ins in enumerate(body):
+        if ins.op != "BRA" or not ins.operands:
+            continue
+        try:
+            target = int(ins.operands[-1], 16)
+        except ValueError:
+            continue
+        if target > ins.addr and target in at and not any(x.op == "HMMA" for x in body[k + 1:at[target]]):
+            for j in range(k + 1, at[target]):
+                rare[j] = True
+    return rare
+
+
 def loops(fn: Function) -> list[tuple[int, int]]:
     """(first, last) instruction indexes of each loop: a branch back to an earlier address."""
     index = {ins.addr: i for i, ins in enumerate(fn.instrs)}
@@ -205,6 +226,9 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
         "nop": sum(ins.op == "NOP" for ins in body),
         # every shared-memory instruction of the body once (rare branches included), per warp and iteration
         "smem_wavefronts": sum(smem_wavefronts(ins) for ins in body),
+        # the same without rare stretches (rare_stretches) and guarded instructions: the hot path's, estimated
+        "smem_wavefronts_hot": sum(smem_wavefronts(ins) for ins, rare in zip(body, rare_stretches(body))
+                                   if not rare and not ins.predicated),
         "smem_wavefronts_by_op": _wavefronts_by_op(body),
         "chain_min": min(chain) if chain else None,
         "chain_median": statistics.median(chain) if chain else None,

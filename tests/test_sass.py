@@ -86,6 +86,7 @@ def test_chain_distances_and_load_leads():
     assert (r["instructions"], r["hmma"], r["loads"], r["nop"]) == (10, 4, 2, 1)
     # shared-memory wavefronts per warp: an ldmatrix .x4 (four 128-byte matrices) and a 128-bit load (512 B)
     assert r["smem_wavefronts"] == 8 and r["smem_wavefronts_by_op"] == {"LDSM.16.M88.4": 4, "LDS.128": 4}
+    assert r["smem_wavefronts_hot"] == 8  # no branch in the body skips a stretch
     # R8 and R12 chains: the first two read values carried from the previous iteration (4 - 2 = 2 back),
     # the last two the HMMA two places before
     assert r["chains"] == {"2": 4} and (r["chain_min"], r["chain_median"]) == (2, 2)
@@ -269,4 +270,22 @@ def test_cuobjdump_without_nvdisasm_is_an_environment_error(tmp_path, monkeypatc
 ])
 def test_shared_memory_wavefronts_of_one_warp_wide_instruction(text, wavefronts):
     assert sass.smem_wavefronts(sass.parse_instr(text, 0)) == wavefronts
+
+
+def test_the_hot_path_leaves_out_stretches_a_branch_skips_without_hmma_and_guarded_instructions():
+    body = [sass.parse_instr(t, a) for a, t in [
+        (0x00, "LDSM.16.M88.4 R20, [R2]"),
+        (0x10, "@P0 BRA 0x0040"),                        # skips a fallback copy: no HMMA in it, rare
+        (0x20, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]"),
+        (0x30, "LDS R9, [R3]"),
+        (0x40, "@P1 LDS R10, [R3]"),                     # guarded: left out
+        (0x50, "@P2 BRA 0x0080"),                        # skips tensor work: the hot path, kept
+        (0x60, "LDSM.16.MT88.4 R24, [R2]"),
+        (0x70, "HMMA.16816.F32.BF16 R8, R24, R20, R8"),
+        (0x80, "@P3 BRA 0x0000"),
+    ]]
+    assert sass.rare_stretches(body) == [False, False, True, True, False, False, False, False, False]
+    fn = sass.Function("sm_90", "k", body)
+    r = sass.loop_report(fn, 0, len(body) - 1)
+    assert (r["smem_wavefronts"], r["smem_wavefronts_hot"]) == (4 + 4 + 1 + 1 + 4, 4 + 4)
 
