@@ -47,7 +47,8 @@
 # working tree in this machine start, each built into a library of its own and named by its folder (the one above
 # kernels/). Per --sweep the working tree runs first and last (their drift is the noise band) and every variant in
 # between; scripts/variants_summary.py puts each variant's medians and its ratio to the tree into
-# variants-SWEEP.txt. Each variant is verified first (smoke suite and --fuzz 20, flash only: variant-verify-NAME).
+# variants-SWEEP.txt. Each variant is verified first (smoke suite and --fuzz 20, its flash kernel beside the tree's:
+# variant-verify-NAME, which also counts the checks where both gave the same bits).
 # A variant that does one stage twice prices that stage (the timing method for places inside a call that no counter
 # separates); one that changes a stage is a candidate, to confirm with --ab. A variant whose build fails the
 # resource gate (spills) is still timed, as NAME-gatefail.
@@ -249,9 +250,10 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
     build_kernels "variant-build-$name" "${VARIANT_DIR[$name]}" "$var_dir/build-$name.json"
     [ -z "$BUILT_LIB" ] || VARIANT_LIB[$name]="$BUILT_LIB"
     [ -z "$BUILT_LIB" ] || [ -z "$TREE_LIB" ] || sass_against "$BUILT_LIB" "$TREE_LIB"  # what the variant changed
-    # checked before it is timed: the smoke suite (page sizes 1 and 64, ragged batches) and a short fuzz, flash only
-    [ -z "$BUILT_LIB" ] || step "variant-verify-$name" bash -c 'python3 -m kdev verify --library "$1" --suite smoke \
-      --kernel flash && python3 -m kdev verify --library "$1" --fuzz 20 --kernel flash' _ "$BUILT_LIB"
+    # checked before it is timed: the smoke suite (page sizes 1 and 64, ragged batches) and a short fuzz, its flash
+    # kernel beside the tree's (KERNEL@REF): both against the goldens, and whether the variant gives the same bits
+    [ -z "$BUILT_LIB" ] || step "variant-verify-$name" bash -c 'python3 -m kdev verify --suite smoke \
+      --kernel "flash,flash@$1" && python3 -m kdev verify --fuzz 20 --kernel "flash,flash@$1"' _ "$BUILT_LIB"
   done
   for sw in ${SWEEP//,/ }; do
     step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}

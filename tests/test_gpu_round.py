@@ -347,3 +347,11 @@ def test_graph_adds_a_bench_of_graph_replays_per_sweep(tmp_path):
     _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend", "flash,naive",
                                      "--graph"])
     assert "python3 -m kdev bench --sweep targets --graph --backend flash,naive" in calls
+
+
+def test_a_variant_is_verified_beside_the_tree_kernel_before_it_is_timed(tmp_path):
+    variant = tmp_path / "v1" / "kernels"
+    (variant / "include").mkdir(parents=True)
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--variants", str(variant)])
+    assert "python3 -m kdev verify --suite smoke --kernel flash,flash@/base/libkdtree.so" in calls
+    assert "python3 -m kdev verify --fuzz 20 --kernel flash,flash@/base/libkdtree.so" in calls
