@@ -558,6 +558,78 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
         raise BadInput(f"--normalize-by {normalize_by}: no timing of that backend in {where}")
 
 
+# --------------------------------------------------------------------------------------------------- ab
+@app.command("ab")
+@command
+def ab_cmd(
+    against: str = typer.Option("main", "--against", help="The other build: a git revision (default main), a copy of "
+                                "kernels/, or a library or its build folder."),
+    kernel: str = typer.Option("flash", "--kernel", help="Comma-separated kernels to compare: naive, flash, "
+                               "flash-portable."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default targets)."),
+    shape: Optional[list[str]] = ShapeOpt,
+    axis: Optional[list[str]] = AxisOpt,
+    fuzz: int = typer.Option(0, "--fuzz", min=0, help="Also N fresh random cases through both builds."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Fuzz and input seed."),
+    min_change: float = typer.Option(0.01, "--min-change", min=0.0, help="Smallest relative change judged FAST or "
+                                     "SLOW (beside three times the medians' noise; in one run that noise is a few "
+                                     "tenths of a percent)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="This build's library (default: build for this "
+                                           "GPU)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
+    out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
+    json_out: bool = JsonOpt,
+):
+    """This build's kernels against another build's on this GPU, in one process: the machine code that changed, both
+    on the golden vectors (and where they give the same bits), and their times at the same shapes in one run."""
+    import secrets
+
+    from kdev import ab, bench
+
+    kernels = list(dict.fromkeys(k.strip() for k in kernel.split(",") if k.strip()))
+    ab.base_names(kernels, against)  # a kernel or a reference that names nothing: exit 2 before the GPU is asked for
+    cfg = bench.load_bench(config)
+    shapes = bench.expand(cfg, sweep or (None if shape else "targets"), shape, axis)
+    seed = seed if seed is not None else secrets.randbits(31)
+    with report.progress(f"ab against {against}", len(shapes) * (2 * len(kernels) + 1)) as advance:
+        doc = ab.run_ab(against, kernels, shapes, cfg, library, fuzz, seed, min_change, report.info, advance)
+    _write_json_file(out_json, doc)
+    if json_out:
+        report.emit_json(doc)
+    else:
+        for line in _ab_lines(doc):
+            report.show(line)
+        rows = [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}",
+                 f"{100 * v['change']:+.1f}%", f"±{100 * v['threshold']:.1f}%",
+                 {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")] for v in doc["verdicts"]]
+        report.show(report.table(f"{', '.join(kernels)}: this build against {against}, one run on {doc['gpu']['name']}",
+                                 ["shape", "kernel", f"{against} µs", "this µs", "change", "judged beyond", "verdict"],
+                                 rows, {"left": ("shape", "kernel")}))
+        for r in doc["bench"]["results"]:
+            if not r["agrees"]:
+                report.error(f"{r['shape']} / {r['backend']}: {r['check']}")
+    if not doc["passed"] or any(v["verdict"] == "SLOW" for v in doc["verdicts"]):
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _ab_lines(doc: dict) -> list[str]:
+    """The machine code and verification parts of a kdev ab document, a line each."""
+    sass = doc["sass"]
+    if "skipped" in sass:
+        lines = [f"machine code: not compared ({sass['skipped']})"]
+    else:
+        changed = ", ".join(f"{d['kernel']} ({d['status']})" for d in sass["differ"][:6])
+        more = f" and {len(sass['differ']) - 6} more" if len(sass["differ"]) > 6 else ""
+        lines = [f"machine code ({sass['arch']}): {sass['identical']} of {sass['kernels']} kernels identical"
+                 + (f"; differ: {changed}{more}" if changed else "")]
+    for v in doc["verify"]:
+        verdict = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
+        lines.append(f"verify {v['suite']}: {verdict} {v['kernel']} and {v['against']}, {v['checks'] - v['failed']}/"
+                     f"{v['checks']} checks passed; same bits in {v['same_bits']} of {v['comparisons']} comparisons")
+        lines += [f"  {f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}" for f in v["failures"]]
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------- plan
 @app.command("plan")
 @command

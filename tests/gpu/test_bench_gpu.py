@@ -92,6 +92,28 @@ def test_graph_replays_are_checked_and_timed_for_every_kind_of_backend(lib):
         assert r.agrees and r.timing["median_us"] > 0, (r.backend, r.check)
 
 
+def test_ab_against_a_copy_of_the_library_finds_the_same_code_and_the_same_bits(lib, tmp_path, monkeypatch):
+    """kdev ab with REF a copy of this library: identical machine code, both builds pass the smoke suite with the
+    same bits at every comparison, and one verdict per shape from a run that timed both."""
+    import shutil
+    from dataclasses import replace
+
+    from kdev import ab
+
+    monkeypatch.setenv("KDEV_LEDGER", str(tmp_path / "ledger"))
+    copy = tmp_path / "base" / lib.path.name
+    copy.parent.mkdir()
+    shutil.copy2(lib.path, copy)
+    cfg = bench.load_bench()
+    cfg = replace(cfg, method=replace(cfg.method, max_seconds=1.0))
+    shapes = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8", "B=1,L=2000,N=64,H=8,page=1"], None)
+    doc = ab.run_ab(str(copy), ["flash"], shapes, cfg, lib.path, seed=7)
+    assert doc["passed"] and doc["verify"][0]["same_bits"] == doc["verify"][0]["comparisons"] > 0
+    assert "skipped" in doc["sass"] or doc["sass"]["differ"] == []
+    assert [v["shape"] for v in doc["verdicts"]] == [s.name for s in shapes]
+    assert {r["backend"] for r in doc["bench"]["results"]} == {"flash", f"flash@{copy}", "naive"}
+
+
 def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
     cfg = bench.load_bench()
     shapes = bench.expand(cfg, None, ["B=2,L=1000,N=16", "B=3,L=70,N=64,page=1"], None)

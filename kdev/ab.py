@@ -1,0 +1,89 @@
+"""kdev ab: this build's kernels against another build's on this GPU, in one process.
+
+A change to a kernel is judged on three things, each by a stage that exists on its own: which kernels' machine code
+it changed (kdev sass --against), whether both builds pass the golden vectors and where they give the same bits
+(kdev verify with KERNEL@REF), and how their times compare at the same shapes in the same run (kdev bench with
+KERNEL@REF), where no drift between processes or machine starts enters the ratio. The other build (REF) is a library,
+a copy of kernels/ or a git revision (abi.kernel_ref); the default is main.
+"""
+
+from __future__ import annotations
+
+from kdev import abi, bench
+from kdev.errors import BadInput, EnvironmentMissing
+
+DEFAULT_MIN_CHANGE = 0.01  # in one run the medians' noise is a few tenths of a percent (kernels/NOTES.md)
+
+
+def base_names(kernels: list[str], ref: str) -> list[str]:
+    """The KERNEL@REF names of the other build's kernels, checked (bad input before any GPU is asked for)."""
+    bad = [k for k in kernels if k not in abi.VERIFY_KERNELS]
+    if bad or not kernels:
+        raise BadInput(f"kernel {bad[0] if bad else ''!r}: kdev ab compares {', '.join(abi.VERIFY_KERNELS)}")
+    names = [f"{k}@{ref}" for k in kernels]
+    for name in names:
+        abi.kernel_ref(name)
+    return names
+
+
+def sass_summary(base_lib, lib, arch: str) -> dict:
+    """Which kernels' machine code for `arch` differs between the two libraries (sass.compare), or why not known."""
+    from kdev import sass
+
+    try:
+        rows = sass.compare(sass.parse(sass.dump(base_lib)), sass.parse(sass.dump(lib)), "", [arch])
+    except (EnvironmentMissing, BadInput) as e:
+        return {"arch": arch, "skipped": str(e)}
+    differ = [r for r in rows if r["status"] != "same"]
+    return {"arch": arch, "kernels": len(rows), "identical": len(rows) - len(differ),
+            "differ": [{"kernel": r["kernel"], "status": r["status"], "changed_instructions": r["changed_instructions"],
+                        "hmma_loop_wavefronts": [r["base_hmma_loop_wavefronts"], r["hmma_loop_wavefronts"]]}
+                       for r in differ]}
+
+
+def verify_summary(run, kernel: str, base: str) -> dict:
+    """One verify run of [base, kernel]: both against the goldens, and the kernel's checks against the base."""
+    pairs = [r for r in run.results if r.kernel == kernel and r.against == base]
+    return {"kernel": kernel, "against": base, "suite": run.record["suite"]["name"], "passed": run.passed,
+            "checks": len(run.results), "failed": sum(not r.passed for r in run.results),
+            "comparisons": len(pairs), "same_bits": sum(r.note == "bit-identical" for r in pairs),
+            "failures": run.record["failures"][:5], "ledger": str(run.ledger_path) if run.ledger_path else None}
+
+
+def verdicts(results: list[dict], kernels: list[str], ref: str, min_change: float) -> list[dict]:
+    """Per shape and kernel, this build's median against the other build's from the same run: FAST / SAME / SLOW
+    (bench.baseline_verdicts: the change must exceed min_change and three times the medians' combined noise)."""
+    out = []
+    for k in kernels:
+        this = [r for r in results if r["backend"] == k]
+        other = [dict(r, backend=k) for r in results if r["backend"] == f"{k}@{ref}"]
+        out += bench.baseline_verdicts(this, other, min_rel=min_change)
+    return out
+
+
+def run_ab(ref: str, kernels: list[str], shapes: list, cfg, lib_path=None, fuzz: int = 0, seed: int = 0,
+           min_change: float = DEFAULT_MIN_CHANGE, log=None, progress=None) -> dict:
+    """The whole comparison on this GPU; one JSON-able document."""
+    from kdev import gpu, verify
+
+    names = base_names(kernels, ref)
+    gpu.require_cuda("kdev ab")
+    lib = abi.load_library(lib_path, log)
+    others = abi.load_kernel_refs(names, log=log)
+    base_lib = others[names[0]][0]
+    doc = {"ref": ref, "kernels": kernels, "gpu": gpu.current_gpu().to_dict(),
+           "base": {"library": str(base_lib.path), "source_hash": base_lib.build_info.get("source_hash")},
+           "candidate": {"library": str(lib.path), "source_hash": lib.build_info.get("source_hash")},
+           "sass": sass_summary(base_lib.path, lib.path, gpu.current_arch()), "verify": []}
+    for k, base in zip(kernels, names):
+        run = verify.run_suite("smoke", [base, k], lib_path=lib.path, log=log)
+        doc["verify"].append(verify_summary(run, k, base))
+        if fuzz:
+            run = verify.run_fuzz(fuzz, seed, [base, k], max_prefix=32768, lib_path=lib.path, log=log)
+            doc["verify"].append(verify_summary(run, k, base))
+    backends = [b for pair in zip(names, kernels) for b in pair] + ["naive"]
+    results, prov = bench.run_bench(shapes, backends, cfg, lib, {}, seed, progress, others)
+    doc["bench"] = {"provenance": prov, "results": [dict(r.__dict__) for r in results]}
+    doc["verdicts"] = verdicts(doc["bench"]["results"], kernels, ref, min_change)
+    doc["passed"] = all(v["passed"] for v in doc["verify"])
+    return doc

@@ -1,0 +1,65 @@
+"""kdev ab: the pieces that need no GPU (arguments refused before one is asked for, the verdicts from one run's
+results, the machine-code comparison of two libraries, the report lines); tests/gpu/test_bench_gpu.py runs it."""
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from kdev import ab
+from kdev.cli import _ab_lines, app
+from kdev.errors import BadInput
+
+
+def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for():
+    for args, problem in [(["--kernel", "accept"], "kdev ab compares naive, flash, flash-portable"),
+                          (["--against", "no-such-branch-here"], "no library, build folder, copy of kernels/ or git"),
+                          (["--shape", "B=0"], "out of range")]:
+        r = CliRunner().invoke(app, ["ab", *args])
+        assert r.exit_code == 2 and problem in r.stderr and "Traceback" not in r.output, r.output
+    import torch
+
+    if not torch.cuda.is_available():  # main is a revision here: the arguments are good, the GPU is missing
+        r = CliRunner().invoke(app, ["ab", "--against", "HEAD"])
+        assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
+    assert ab.base_names(["flash", "flash-portable"], "HEAD") == ["flash@HEAD", "flash-portable@HEAD"]
+    with pytest.raises(BadInput):
+        ab.base_names([], "HEAD")
+
+
+def _timed(shape, backend, us, sem=0.002):
+    return {"shape": shape, "backend": backend, "timing": {"median_us": us, "rel_sem": sem}}
+
+
+def test_verdicts_compare_this_build_with_the_other_at_each_shape_of_one_run():
+    results = [_timed("s1", "flash@main", 100.0), _timed("s1", "flash", 97.0), _timed("s1", "naive", 4000.0),
+               _timed("s2", "flash@main", 100.0), _timed("s2", "flash", 100.4),
+               _timed("s3", "flash@main", 100.0), _timed("s3", "flash", 103.0, sem=0.02)]
+    v = {x["shape"]: x for x in ab.verdicts(results, ["flash"], "main", min_change=0.01)}
+    assert (v["s1"]["verdict"], round(v["s1"]["change"], 3)) == ("FAST", -0.03)
+    assert v["s2"]["verdict"] == "SAME"  # inside 1 %
+    assert v["s3"]["verdict"] == "SAME" and v["s3"]["threshold"] > 0.03  # 3 % inside three times a noisy median's
+    assert all(x["backend"] == "flash" and x["baseline_us"] == 100.0 for x in v.values())
+
+
+def test_the_machine_code_of_two_builds_is_compared_for_this_arch(sm90_library, tmp_path):
+    copy = tmp_path / "copy" / sm90_library.name
+    copy.parent.mkdir()
+    shutil.copy2(sm90_library, copy)
+    s = ab.sass_summary(copy, sm90_library, "sm_90")
+    if "skipped" not in s:  # needs cuobjdump and nvdisasm (the build extra)
+        assert s["differ"] == [] and s["identical"] == s["kernels"] > 10
+
+
+def test_the_report_lines_name_what_changed_and_the_same_bits():
+    doc = {"sass": {"arch": "sm_90", "kernels": 88, "identical": 86,
+                    "differ": [{"kernel": "verify_attn_combine_kernel<4>", "status": "changed"},
+                               {"kernel": "verify_attn_combine_kernel<2>", "status": "changed"}]},
+           "verify": [{"suite": "smoke", "passed": True, "kernel": "flash", "against": "flash@main", "checks": 36,
+                       "failed": 0, "comparisons": 12, "same_bits": 12, "failures": []}]}
+    lines = _ab_lines(doc)
+    assert lines[0] == ("machine code (sm_90): 86 of 88 kernels identical; differ: verify_attn_combine_kernel<4> "
+                        "(changed), verify_attn_combine_kernel<2> (changed)")
+    assert "36/36 checks passed; same bits in 12 of 12 comparisons" in lines[1]
+    assert _ab_lines({"sass": {"skipped": "cuobjdump not found"}, "verify": []}) == [
+        "machine code: not compared (cuobjdump not found)"]
