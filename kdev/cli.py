@@ -599,17 +599,21 @@ def ab_cmd(
     else:
         for line in _ab_lines(doc):
             report.show(line)
-        rows = [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}",
-                 f"{100 * v['change']:+.1f}%", f"±{100 * v['threshold']:.1f}%",
-                 {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")] for v in doc["verdicts"]]
         report.show(report.table(f"{', '.join(kernels)}: this build against {against}, one run on {doc['gpu']['name']}",
                                  ["shape", "kernel", f"{against} µs", "this µs", "change", "judged beyond", "verdict"],
-                                 rows, {"left": ("shape", "kernel")}))
+                                 _ab_rows(doc), {"left": ("shape", "kernel")}))
         for r in doc["bench"]["results"]:
             if not r["agrees"]:
                 report.error(f"{r['shape']} / {r['backend']}: {r['check']}")
     if not doc["passed"] or any(v["verdict"] == "SLOW" for v in doc["verdicts"]):
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _ab_rows(doc: dict) -> list[list[str]]:
+    """The timing part of a kdev ab document: one row per shape and kernel."""
+    return [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}", f"{100 * v['change']:+.1f}%",
+             f"±{100 * v['threshold']:.1f}%", {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")]
+            for v in doc["verdicts"]]
 
 
 def _ab_lines(doc: dict) -> list[str]:

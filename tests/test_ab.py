@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kdev import ab
-from kdev.cli import _ab_lines, app
+from kdev.cli import _ab_lines, _ab_rows, app
 from kdev.errors import BadInput
 
 
@@ -63,3 +63,10 @@ def test_the_report_lines_name_what_changed_and_the_same_bits():
     assert "36/36 checks passed; same bits in 12 of 12 comparisons" in lines[1]
     assert _ab_lines({"sass": {"skipped": "cuobjdump not found"}, "verify": []}) == [
         "machine code: not compared (cuobjdump not found)"]
+
+
+def test_the_timing_rows_come_from_the_verdicts_of_one_run():
+    results = [_timed("s1", "flash@main", 100.0), _timed("s1", "flash", 97.0)]
+    rows = _ab_rows({"verdicts": ab.verdicts(results, ["flash"], "main", 0.01)})
+    assert rows == [["s1", "flash", "100.0", "97.0", "-3.0%", "±1.0%", "[green]FAST[/]"]]
+
