@@ -40,7 +40,7 @@
 # (--normalize-by applies: a candidate SLOW at any shape ends its step with bench's regression exit code, 1; the
 # plain bench step takes --normalize-by only beside --baseline, which it needs);
 # scripts/ab_summary.py puts the medians and ratios of both pairs into ab-SWEEP.txt. Then the same A/B in one process
-# (ab-SWEEP-one-run, its table in round.log): `kdev bench --backend flash,flash@BASE_LIBRARY,...`.
+# (ab-SWEEP-one-run, its table in round.log): `kdev bench --backend flash,flash@BASE,...` (KERNEL@REF).
 # With --kernel-times, the base library's launches are timed too (kernel-times-base.txt). round.log records which
 # kernels' machine code the candidate changed (kdev sass --against the base; for --variants, each against the tree).
 # --variants build/variants/q2/kernels,build/variants/comb2/kernels: several other kernels/ trees timed beside the

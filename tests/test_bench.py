@@ -273,7 +273,7 @@ def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
         kbuild.revision_kernels("no-such-branch-here")
 
 
-def test_library_backends_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):
+def test_kernel_refs_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):
     others = abi.load_kernel_refs(["flash", f"flash@{sm90_library}", f"naive@{sm90_library.parent}"],
                                          plan_sms=188)
     assert sorted(others) == [f"flash@{sm90_library}", f"naive@{sm90_library.parent}"]
