@@ -1097,19 +1097,28 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
   const float* ws_o = static_cast<const float*>(p.workspace);
   const float* ws_lse = ws_o + (size_t)num_splits * rows_total * KDTREE_V_DIM;
   if (threadIdx.x < 32) {
+    // lane holds splits lane + 32 k; the splits past num_splits are -inf, and add exactly 0 below, so a row of at most
+    // 64 splits gets the bits it got when a lane held two
+    constexpr int kPerLane = kMaxSplits / 32;
     const int lane = threadIdx.x;
-    const float l0 = lane < num_splits ? ws_lse[lane * rows_total + row] : -INFINITY;
-    const float l1 = lane + 32 < num_splits ? ws_lse[(lane + 32) * rows_total + row] : -INFINITY;
-    float m = fmaxf(l0, l1);
+    float l[kPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      l[k] = lane + 32 * k < num_splits ? ws_lse[(lane + 32 * k) * rows_total + row] : -INFINITY;
+      m = fmaxf(m, l[k]);
+    }
 #pragma unroll
     for (int off = 16; off >= 1; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     // a split with no key for this row (empty range or all masked) has lse = -inf and weight 0
-    float total = (l0 == -INFINITY ? 0.f : expf(l0 - m)) + (l1 == -INFINITY ? 0.f : expf(l1 - m));
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) total += l[k] == -INFINITY ? 0.f : expf(l[k] - m);
 #pragma unroll
     for (int off = 16; off >= 1; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
     const float lse = m == -INFINITY ? -INFINITY : m + logf(total);
-    weight[lane] = l0 == -INFINITY ? 0.f : expf(l0 - lse);
-    weight[lane + 32] = l1 == -INFINITY ? 0.f : expf(l1 - lse);
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) weight[lane + 32 * k] = l[k] == -INFINITY ? 0.f : expf(l[k] - lse);
     if (lane == 0) row_lse = lse;
   }
   __syncthreads();

@@ -64,7 +64,7 @@ def test_every_plan_is_well_formed(plan):
     for (batch, qlen, heads, kv, sms), (m_tiles, splits, span) in zip(shapes, plan(shapes)):
         rows = qlen * heads
         assert m_tiles == -(-rows // 64)
-        assert 1 <= splits <= min(64, -(-kv // 256)), (batch, qlen, heads, kv, sms, splits)
+        assert 1 <= splits <= min(128, -(-kv // 256)), (batch, qlen, heads, kv, sms, splits)
         last = rows - (m_tiles - 1) * 64
         assert (span == 0) == (last > 16) and span in (0, 1, 2)
         if span == 2:  # a narrow CTA over two ranges must leave SMs to the full tiles: fewer CTAs than span 1

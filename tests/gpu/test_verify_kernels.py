@@ -107,11 +107,11 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel):
     _check_flash_twice(lib, spec, kernel)
 
 
-@pytest.mark.parametrize("nodes,heads,splits", [(17, 8, 64), (65, 64, 14)])
+@pytest.mark.parametrize("nodes,heads,splits", [(17, 8, 75), (65, 64, 14), (5, 8, 128)])
 def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits):
     """The RTX PRO 6000's kernels (flash-portable) with its split plan (188 SMs, params.plan_sm_count): at the N16 target
-    the plan reaches the combine's 64-split cap, which no H200 plan does (52); at H64 it takes 14 splits in 910 CTAs
-    (the H200: 2). The same plan as kdev plan reports; float64 agreement and the same bits on every run."""
+    75 splits (past the 64 a lane's two weights held; the H200 takes 52), at N4 the combine's cap of 128; at H64 14 splits
+    in 910 CTAs (the H200: 2). The same plan as kdev plan reports; float64 agreement and the same bits on every run."""
     from kdev import plan as kplan
 
     seed = int.from_bytes(os.urandom(4), "little")

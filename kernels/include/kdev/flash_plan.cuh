@@ -10,7 +10,7 @@ namespace kdtree {
 constexpr int kBlockM = 64;      // rows (node x head) per CTA of the full-tile kernel
 constexpr int kBlockN = 32;      // KV tokens per tile
 constexpr int kNarrowRows = 16;  // a last row tile of at most this many rows runs in the narrow kernel
-constexpr int kMaxSplits = 64;   // the combine kernel's weights hold this many splits
+constexpr int kMaxSplits = 128;  // the combine kernel's weights hold this many splits (four per lane of its warp 0)
 // A narrow tile's time over a full tile's: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow CTA over two
 // splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
 constexpr double kNarrowTileCost = 0.5;
