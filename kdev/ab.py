@@ -10,6 +10,7 @@ a copy of kernels/ or a git revision (abi.kernel_ref); the default is main.
 from __future__ import annotations
 
 from kdev import abi, bench
+from kdev import build as kbuild
 from kdev.errors import BadInput, EnvironmentMissing
 
 DEFAULT_MIN_CHANGE = 0.01  # in one run the medians' noise is a few tenths of a percent (kernels/NOTES.md)
@@ -23,6 +24,9 @@ def base_names(kernels: list[str], ref: str) -> list[str]:
     names = [f"{k}@{ref}" for k in kernels]
     for name in names:
         abi.kernel_ref(name)
+    if kbuild.describe_library_ref(ref) == "patch":  # the other build would be the patched one: verdicts reversed
+        raise BadInput(f"--against {ref}: kdev ab judges this build against REF; to judge a patch, apply it "
+                       "(git apply) and run kdev ab --against HEAD")
     return names
 
 

@@ -305,16 +305,17 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
 def kernel_ref(name: str) -> tuple[str, str] | None:
     """KERNEL@REF: one of our verify kernels from another build, run beside this run's library's (kdev bench times
     both in one run, kdev verify compares them). REF is a library or its build folder, a copy of kernels/ (an A/B
-    base or a variant), or a git revision (flash@main: main's kernels/); the last two are built for this GPU on
-    first use. (kernel, REF), or None for a plain kernel name."""
+    base or a variant), a git revision (flash@main: main's kernels/) or a patch (flash@variants/NAME.patch: this
+    checkout's kernels/ with it applied); the last three are built for this GPU on first use. (kernel, REF), or None
+    for a plain kernel name."""
     kernel, at, ref = name.partition("@")
     if not at:
         return None
     if kernel not in VERIFY_KERNELS or not ref:
         raise BadInput(f"{name!r}: KERNEL@REF takes one of {', '.join(VERIFY_KERNELS)} and a library, "
-                       "build folder, copy of kernels/ or git revision")
+                       "build folder, copy of kernels/, git revision or kernels patch")
     if kbuild.describe_library_ref(ref) is None:
-        raise BadInput(f"{name!r}: {ref}: no library, build folder, copy of kernels/ or git revision")
+        raise BadInput(f"{name!r}: {ref}: {kbuild.NO_LIBRARY_REF}")
     return kernel, ref
 
 

@@ -217,7 +217,7 @@ def verify_cmd(
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
                                     "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact; "
                                     "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
-                                    "revision), compared with the first kernel, bits too."),
+                                    "revision, a .patch of kernels/), compared with the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),
@@ -336,7 +336,7 @@ def bench_cmd(
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml); "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
-                                          "a copy of kernels/ or a git revision)."),
+                                          "a copy of kernels/, a git revision or a .patch of kernels/)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
     ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
     loop: Optional[list[str]] = typer.Option(

@@ -11,9 +11,9 @@ from kdev.cli import _ab_lines, _ab_rows, app
 from kdev.errors import BadInput
 
 
-def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for():
+def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for(tmp_path):
     for args, problem in [(["--kernel", "accept"], "kdev ab compares naive, flash, flash-portable"),
-                          (["--against", "no-such-branch-here"], "no library, build folder, copy of kernels/ or git"),
+                          (["--against", "no-such-branch-here"], "no library, build folder, copy of kernels/, git revision"),
                           (["--shape", "B=0"], "out of range")]:
         r = CliRunner().invoke(app, ["ab", *args])
         assert r.exit_code == 2 and problem in r.stderr and "Traceback" not in r.output, r.output
@@ -23,6 +23,10 @@ def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for():
         r = CliRunner().invoke(app, ["ab", "--against", "HEAD"])
         assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
     assert ab.base_names(["flash", "flash-portable"], "HEAD") == ["flash@HEAD", "flash-portable@HEAD"]
+    patch = tmp_path / "v.patch"  # a patch would be the other build, its verdicts reversed: apply it, --against HEAD
+    patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
+    r = CliRunner().invoke(app, ["ab", "--against", str(patch)])
+    assert r.exit_code == 2 and "apply it (git apply) and run kdev ab --against HEAD" in r.stderr, r.output
     with pytest.raises(BadInput):
         ab.base_names([], "HEAD")
 

@@ -239,7 +239,7 @@ def test_a_kernel_of_another_build_is_a_backend_named_kernel_at_ref(tmp_path):
     assert abi.kernel_ref("naive@HEAD") == ("naive", "HEAD")
     for name, problem in [("triton@x", "takes one of naive, flash, flash-portable"), ("flash@", "takes one of"),
                           ("accept@x", "takes one of"),
-                          (f"flash@{tmp_path}/nope", "nope: no library, build folder, copy of kernels/ or git revision"),
+                          (f"flash@{tmp_path}/nope", "nope: no library, build folder, copy of kernels/, git revision or kernels patch"),
                           ("flash@no-such-branch-here", "no-such-branch-here: no library")]:
         with pytest.raises(BadInput, match=problem):
             abi.kernel_ref(name)
@@ -271,6 +271,58 @@ def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
     assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree.resolve(), True)]
     with pytest.raises(BadInput, match="no such git revision"):
         kbuild.revision_kernels("no-such-branch-here")
+
+
+def _kernels_patch(path, old: str, new: str):
+    """A patch of kernels/verify_attn.cu, as variants/ holds them (paths kernels/...), that replaces one line."""
+    import difflib
+
+    from kdev import build as kbuild
+
+    lines = (kbuild.KERNEL_DIR / "verify_attn.cu").read_text().splitlines(keepends=True)
+    assert old in lines
+    after = [new if line == old else line for line in lines]
+    path.write_text("".join(difflib.unified_diff(lines, after, "a/kernels/verify_attn.cu", "b/kernels/verify_attn.cu")))
+    return path
+
+
+def test_a_patch_is_applied_to_this_checkouts_kernels_once_and_built(tmp_path, monkeypatch):
+    """flash@variants/NAME.patch: this checkout's kernels/ with the patch applied, written once under
+    build/ab-patch-<hash> (the hash over the patch and the sources), built as an A/B variant; a patch that does not
+    apply is one line of bad input."""
+    from kdev import build as kbuild
+
+    first = (kbuild.KERNEL_DIR / "verify_attn.cu").read_text().splitlines(keepends=True)[0]
+    patch = _kernels_patch(tmp_path / "v.patch", first, "// a variant's first line\n")
+    assert kbuild.describe_library_ref(str(patch)) == "patch" and abi.kernel_ref(f"flash@{patch}") == ("flash", str(patch))
+    tree = kbuild.patch_kernels(patch, output_dir=tmp_path / "build")
+    assert tree.parent.parent == tmp_path / "build" and tree.parent.name.startswith("ab-patch-")
+    assert (tree / "verify_attn.cu").read_text().startswith("// a variant's first line\n")
+    same = [p.name for p in kbuild.KERNEL_DIR.glob("*.cu") if p.name != "verify_attn.cu"]
+    assert same and all((tree / n).read_bytes() == (kbuild.KERNEL_DIR / n).read_bytes() for n in same)
+    assert kbuild.patch_kernels(patch, output_dir=tmp_path / "build") == tree  # found again, not applied twice
+    assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]  # no temporary folder left
+    with pytest.raises(BadInput, match="v2.patch: does not apply to"):
+        kbuild.patch_kernels(_stale_patch(tmp_path / "v2.patch"), output_dir=tmp_path / "build")
+    assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]
+    built = []
+
+    def fake_build(cfg, log=None, kernel_dir=None, variant=False):
+        built.append((cfg.archs, kernel_dir, variant))
+        return kbuild.BuildResult(library=tmp_path / "lib.so", folder=tmp_path, cached=False, key="k",
+                                  build_info={}, resources=[], problems=[], launches=[], embedded={}, seconds=0.0)
+
+    monkeypatch.setattr(kbuild, "build", fake_build)
+    monkeypatch.setattr(kbuild, "REPO_ROOT", tmp_path)  # build/ab-patch-* under tmp_path/build
+    res = kbuild.library_for(str(patch), ["sm_90"])
+    assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree, True)]
+
+
+def _stale_patch(path):
+    """A patch whose context is not in kernels/ (made against another version of the file)."""
+    path.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n@@ -1,2 +1,2 @@\n"
+                    "-// no such line in this file\n+// its replacement\n // nor this one\n")
+    return path
 
 
 def test_kernel_refs_load_each_library_once_and_refuse_a_missing_entry_point(sm90_library, monkeypatch):
