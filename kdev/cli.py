@@ -719,12 +719,13 @@ def sass_cmd(
                                          help="Kernel name (or part of it); default: both flash kernels, or with "
                                               "--against every kernel."),
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
-    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to read (default: "
-                                           "the last build)."),
-    against: Optional[Path] = typer.Option(None, "--against",
-                                           help="A base library (or its build folder): compare the machine code of "
-                                                "each kernel with it instead (same, registers, changed, added, "
-                                                "removed)."),
+    library: Optional[str] = typer.Option(None, "--library", help="Library (or its build folder) to read (default: "
+                                          "the last build); or a copy of kernels/, a git revision or a .patch of "
+                                          "kernels/, built first for --arch (default: build.yaml's archs)."),
+    against: Optional[str] = typer.Option(None, "--against",
+                                          help="A base build, named as --library is: compare the machine code of "
+                                               "each kernel with it instead (same, registers, changed, added, "
+                                               "removed)."),
     expect_same: bool = typer.Option(False, "--expect-same",
                                      help="With --against: exit 1 unless every compared kernel's SASS is identical "
                                           "(other registers count as a difference)."),
@@ -738,13 +739,12 @@ def sass_cmd(
 
     if expect_same and against is None:
         raise typer.BadParameter("needs --against (the build to compare with)", param_hint="--expect-same")
-    lib = library or kbuild.latest_library()
-    if lib is None:
-        raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
-    lib = kbuild.library_file(Path(lib))  # a build folder stands for the library in it
     archs = _split_archs(arch)
+    if library is None and kbuild.latest_library() is None:
+        raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
+    lib = _sass_library(library or str(kbuild.latest_library()), archs)
     if against is not None:
-        _sass_compare(sass, kbuild.library_file(against), lib, "" if kernel is None else kernel, archs, expect_same,
+        _sass_compare(sass, _sass_library(against, archs), lib, "" if kernel is None else kernel, archs, expect_same,
                       json_out)
         return
     kernel = "verify_attn_flash" if kernel is None else kernel
@@ -781,6 +781,24 @@ def sass_cmd(
                 "(stretches a branch skips without HMMA, and guarded instructions, left out: an estimate) / every "
                 "instruction once (--json splits it by opcode); wf/HMMA: the hot path's per HMMA, where above ~1.7 a "
                 "loop is bound by shared memory at the H200's mma.sync peak")
+
+
+def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
+    """The library file kdev sass reads for --library / --against: a library or its build folder as it is; a copy of kernels/, a git revision or a patch of kernels/ built first (kbuild.library_for:
+    an A/B variant, cached by content) for the archs asked, else build.yaml's. A build that fails the resource gate is
+    read all the same, with a warning: its spills are what one wants to see."""
+    from kdev import build as kbuild
+    from kdev import config
+
+    kind = kbuild.describe_library_ref(ref)
+    if kind is None:
+        raise BadInput(f"{ref}: {kbuild.NO_LIBRARY_REF}")
+    if kind == "library":
+        return kbuild.library_file(Path(ref))
+    res = kbuild.library_for(ref, archs or list(config.load_build(None, None).archs), log=report.info)
+    if res.problems:
+        report.warn(f"{ref}: its build fails the resource gate ({res.problems[0]}); its SASS is read all the same")
+    return res.library
 
 
 def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: bool, json_out: bool) -> None:

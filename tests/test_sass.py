@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from kdev import build as kbuild
+from kdev import config as kconfig
 from kdev import sass
 from kdev.errors import BadInput
 
@@ -198,6 +199,9 @@ def test_sass_against_command_exit_codes(monkeypatch, tmp_path):
     from kdev.cli import app
 
     base, cand = tmp_path / "base" / "libkdtree.so", tmp_path / "cand" / "libkdtree.so"
+    for lib in (base, cand):  # stand-ins: their SASS comes from the texts below
+        lib.parent.mkdir()
+        lib.touch()
     texts = {base: SASS, cand: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, RZ")}
     monkeypatch.setattr(sass, "dump", lambda lib: texts[lib])
     runner = CliRunner()
@@ -213,6 +217,41 @@ def test_sass_against_command_exit_codes(monkeypatch, tmp_path):
     assert r.exit_code == 0 and "1 of 1 kernels x archs identical" in r.stdout
     r = runner.invoke(app, ["sass", "--library", str(cand), "--expect-same"])
     assert r.exit_code == 2 and "needs --against" in r.output and "Traceback" not in r.output
+
+
+def test_sass_builds_a_kernels_copy_a_revision_or_a_patch_first(monkeypatch, tmp_path):
+    """--library / --against REF: what is not a library is built first (kbuild.library_for) for the archs asked,
+    else build.yaml's; a build that fails the resource gate is read with a warning; a REF naming nothing is exit 2."""
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    patch = tmp_path / "v.patch"
+    patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
+    built = {}
+
+    libs = {str(patch): tmp_path / "variant" / "libkdtree.so", "HEAD": tmp_path / "head" / "libkdtree.so"}
+
+    def fake_library_for(ref, archs, log=None):
+        built[ref] = tuple(archs)
+        return kbuild.BuildResult(library=libs[ref], folder=libs[ref].parent, cached=True, key="k", build_info={},
+                                  resources=[], problems=["k: spills 8 B"] if ref == "HEAD" else [], launches=[],
+                                  embedded={}, seconds=0.0)
+
+    monkeypatch.setattr(kbuild, "library_for", fake_library_for)
+    texts = {libs[str(patch)]: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, RZ"),
+             libs["HEAD"]: SASS}
+    monkeypatch.setattr(sass, "dump", lambda lib: texts[lib])
+    runner = CliRunner()
+    r = runner.invoke(app, ["sass", "--library", str(patch), "--against", "HEAD", "--arch", "sm_90"])
+    assert r.exit_code == 0 and "k_carried" in r.stdout and built == {str(patch): ("sm_90",), "HEAD": ("sm_90",)}
+    assert "HEAD: its build fails the resource gate (k: spills 8 B)" in r.stderr
+    built.clear()
+    r = runner.invoke(app, ["sass", "--library", str(patch), "--against", "HEAD", "--expect-same"])
+    assert r.exit_code == 1 and "2 of 3 kernels x archs identical" in r.stdout, r.output
+    assert set(built.values()) == {tuple(kconfig.load_build(None, None).archs)}  # build.yaml's archs
+    r = runner.invoke(app, ["sass", "--against", str(tmp_path / "nope.patch")])
+    assert r.exit_code == 2 and "nope.patch: no library, build folder, copy of kernels/, git revision" in r.stderr
 
 
 def test_missing_library_is_bad_input(tmp_path):
