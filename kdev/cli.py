@@ -784,9 +784,10 @@ def sass_cmd(
 
 
 def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
-    """The library file kdev sass reads for --library / --against: a library or its build folder as it is; a copy of kernels/, a git revision or a patch of kernels/ built first (kbuild.library_for:
-    an A/B variant, cached by content) for the archs asked, else build.yaml's. A build that fails the resource gate is
-    read all the same, with a warning: its spills are what one wants to see."""
+    """The library file kdev sass reads for --library / --against: a library or its build folder as it is; a copy of
+    kernels/, a git revision or a patch of kernels/ built first (kbuild.library_for: an A/B variant, cached by content)
+    for the archs asked, else build.yaml's. A build that fails the resource gate is read all the same, with a warning:
+    its spills are what one wants to see."""
     from kdev import build as kbuild
     from kdev import config
 

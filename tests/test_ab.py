@@ -13,7 +13,7 @@ from kdev.errors import BadInput
 
 def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for(tmp_path):
     for args, problem in [(["--kernel", "accept"], "kdev ab compares naive, flash, flash-portable"),
-                          (["--against", "no-such-branch-here"], "no library, build folder, copy of kernels/, git revision"),
+                          (["--against", "no-such-branch-here"], "no library, build folder, copy of kernels/, git"),
                           (["--shape", "B=0"], "out of range")]:
         r = CliRunner().invoke(app, ["ab", *args])
         assert r.exit_code == 2 and problem in r.stderr and "Traceback" not in r.output, r.output

@@ -229,7 +229,6 @@ def test_sass_builds_a_kernels_copy_a_revision_or_a_patch_first(monkeypatch, tmp
     patch = tmp_path / "v.patch"
     patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
     built = {}
-
     libs = {str(patch): tmp_path / "variant" / "libkdtree.so", "HEAD": tmp_path / "head" / "libkdtree.so"}
 
     def fake_library_for(ref, archs, log=None):

@@ -160,7 +160,7 @@ def test_a_kernel_of_another_build_is_checked_beside_this_one_and_same_bits_are_
 
 
 def test_verify_refuses_a_kernel_ref_that_names_nothing_before_any_gpu_is_asked_for():
-    for name, problem in [("flash@no-such-branch-here", "no library, build folder, copy of kernels/, git revision or kernels patch"),
+    for name, problem in [("flash@no-such-branch-here", "no library, build folder, copy of kernels/, git revision or"),
                           ("accept@HEAD", "KERNEL@REF takes one of naive, flash, flash-portable")]:
         r = CliRunner().invoke(app, ["verify", "--kernel", f"naive,{name}"])
         assert r.exit_code == 2 and problem in r.stderr and "Traceback" not in r.output, r.output
