@@ -740,6 +740,9 @@ def sass_cmd(
     if expect_same and against is None:
         raise typer.BadParameter("needs --against (the build to compare with)", param_hint="--expect-same")
     archs = _split_archs(arch)
+    for ref in (library, against):  # a reference that names nothing is bad input, before any build is looked for
+        if ref is not None and kbuild.describe_library_ref(ref) is None:
+            raise BadInput(f"{ref}: {kbuild.NO_LIBRARY_REF}")
     if library is None and kbuild.latest_library() is None:
         raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
     lib = _sass_library(library or str(kbuild.latest_library()), archs)
@@ -791,10 +794,7 @@ def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
     from kdev import build as kbuild
     from kdev import config
 
-    kind = kbuild.describe_library_ref(ref)
-    if kind is None:
-        raise BadInput(f"{ref}: {kbuild.NO_LIBRARY_REF}")
-    if kind == "library":
+    if kbuild.describe_library_ref(ref) == "library":
         return kbuild.library_file(Path(ref))
     res = kbuild.library_for(ref, archs or list(config.load_build(None, None).archs), log=report.info)
     if res.problems:
