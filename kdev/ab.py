@@ -4,7 +4,9 @@ A change to a kernel is judged on three things, each by a stage that exists on i
 it changed (kdev sass --against), whether both builds pass the golden vectors and where they give the same bits
 (kdev verify with KERNEL@REF), and how their times compare at the same shapes in the same run (kdev bench with
 KERNEL@REF), where no drift between processes or machine starts enters the ratio. The other build (REF) is a library,
-a copy of kernels/ or a git revision (abi.kernel_ref); the default is main.
+a copy of kernels/ or a git revision (abi.kernel_ref); the default is main. It is the base, and this build the
+candidate; or, with REF named as the candidate (kdev ab --candidate, a patch of kernels/ too), the other way round: this
+build is the base, and REF's change is what is judged.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kdev.errors import BadInput, EnvironmentMissing
 DEFAULT_MIN_CHANGE = 0.01  # in one run the medians' noise is a few tenths of a percent (kernels/NOTES.md)
 
 
-def base_names(kernels: list[str], ref: str) -> list[str]:
+def base_names(kernels: list[str], ref: str, ref_is_candidate: bool = False) -> list[str]:
     """The KERNEL@REF names of the other build's kernels, checked (bad input before any GPU is asked for)."""
     bad = [k for k in kernels if k not in abi.VERIFY_KERNELS]
     if bad or not kernels:
@@ -24,9 +26,8 @@ def base_names(kernels: list[str], ref: str) -> list[str]:
     names = [f"{k}@{ref}" for k in kernels]
     for name in names:
         abi.kernel_ref(name)
-    if kbuild.describe_library_ref(ref) == "patch":  # the other build would be the patched one: verdicts reversed
-        raise BadInput(f"--against {ref}: kdev ab judges this build against REF; to judge a patch, apply it "
-                       "(git apply) and run kdev ab --against HEAD")
+    if not ref_is_candidate and kbuild.describe_library_ref(ref) == "patch":  # as the base, its verdicts reversed
+        raise BadInput(f"--against {ref}: a patch is a candidate: kdev ab --candidate {ref}")
     return names
 
 
@@ -54,40 +55,47 @@ def verify_summary(run, kernel: str, base: str) -> dict:
             "failures": run.record["failures"][:5], "ledger": str(run.ledger_path) if run.ledger_path else None}
 
 
-def verdicts(results: list[dict], kernels: list[str], ref: str, min_change: float) -> list[dict]:
-    """Per shape and kernel, this build's median against the other build's from the same run: FAST / SAME / SLOW
-    (bench.baseline_verdicts: the change must exceed min_change and three times the medians' combined noise)."""
+def verdicts(results: list[dict], kernels: list[str], ref: str, min_change: float,
+             ref_is_candidate: bool = False) -> list[dict]:
+    """Per shape and kernel, the candidate's median against the base's from the same run (this build against the
+    other, or the other against this one where it is the candidate): FAST / SAME / SLOW (bench.baseline_verdicts: the
+    change must exceed min_change and three times the medians' combined noise)."""
     out = []
     for k in kernels:
         this = [r for r in results if r["backend"] == k]
         other = [dict(r, backend=k) for r in results if r["backend"] == f"{k}@{ref}"]
-        out += bench.baseline_verdicts(this, other, min_rel=min_change)
+        cand, base = (other, this) if ref_is_candidate else (this, other)
+        out += bench.baseline_verdicts(cand, base, min_rel=min_change)
     return out
 
 
 def run_ab(ref: str, kernels: list[str], shapes: list, cfg, lib_path=None, fuzz: int = 0, seed: int = 0,
-           min_change: float = DEFAULT_MIN_CHANGE, log=None, progress=None) -> dict:
-    """The whole comparison on this GPU; one JSON-able document."""
+           min_change: float = DEFAULT_MIN_CHANGE, log=None, progress=None, ref_is_candidate: bool = False) -> dict:
+    """The whole comparison on this GPU; one JSON-able document. REF's build is the base, this one the candidate;
+    ref_is_candidate: the other way round."""
     from kdev import gpu, verify
 
-    names = base_names(kernels, ref)
+    names = base_names(kernels, ref, ref_is_candidate)
     gpu.require_cuda("kdev ab")
     lib = abi.load_library(lib_path, log)
     others = abi.load_kernel_refs(names, log=log)
-    base_lib = others[names[0]][0]
-    doc = {"ref": ref, "kernels": kernels, "gpu": gpu.current_gpu().to_dict(),
+    ref_lib = others[names[0]][0]
+    base_lib, cand_lib = (lib, ref_lib) if ref_is_candidate else (ref_lib, lib)
+    doc = {"ref": ref, "ref_is": "candidate" if ref_is_candidate else "base", "kernels": kernels,
+           "gpu": gpu.current_gpu().to_dict(),
            "base": {"library": str(base_lib.path), "source_hash": base_lib.build_info.get("source_hash")},
-           "candidate": {"library": str(lib.path), "source_hash": lib.build_info.get("source_hash")},
-           "sass": sass_summary(base_lib.path, lib.path, gpu.current_arch()), "verify": []}
-    for k, base in zip(kernels, names):
-        run = verify.run_suite("smoke", [base, k], lib_path=lib.path, log=log)
-        doc["verify"].append(verify_summary(run, k, base))
+           "candidate": {"library": str(cand_lib.path), "source_hash": cand_lib.build_info.get("source_hash")},
+           "sass": sass_summary(base_lib.path, cand_lib.path, gpu.current_arch()), "verify": []}
+    for k, other in zip(kernels, names):
+        base, cand = (k, other) if ref_is_candidate else (other, k)  # verify compares the second with the first
+        run = verify.run_suite("smoke", [base, cand], lib_path=lib.path, log=log)
+        doc["verify"].append(verify_summary(run, cand, base))
         if fuzz:
-            run = verify.run_fuzz(fuzz, seed, [base, k], max_prefix=32768, lib_path=lib.path, log=log)
-            doc["verify"].append(verify_summary(run, k, base))
+            run = verify.run_fuzz(fuzz, seed, [base, cand], max_prefix=32768, lib_path=lib.path, log=log)
+            doc["verify"].append(verify_summary(run, cand, base))
     backends = [b for pair in zip(names, kernels) for b in pair] + ["naive"]
     results, prov = bench.run_bench(shapes, backends, cfg, lib, {}, seed, progress, others)
     doc["bench"] = {"provenance": prov, "results": [dict(r.__dict__) for r in results]}
-    doc["verdicts"] = verdicts(doc["bench"]["results"], kernels, ref, min_change)
+    doc["verdicts"] = verdicts(doc["bench"]["results"], kernels, ref, min_change, ref_is_candidate)
     doc["passed"] = all(v["passed"] for v in doc["verify"])
     return doc

@@ -562,8 +562,10 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
 @app.command("ab")
 @command
 def ab_cmd(
-    against: str = typer.Option("main", "--against", help="The other build: a git revision (default main), a copy of "
-                                "kernels/, or a library or its build folder."),
+    against: Optional[str] = typer.Option(None, "--against", help="The base build: a git revision (default main), a "
+                                          "copy of kernels/, or a library or its build folder."),
+    candidate: Optional[str] = typer.Option(None, "--candidate", help="Instead: the candidate build, judged against "
+                                            "this one as the base; also a patch of kernels/ (variants/NAME.patch)."),
     kernel: str = typer.Option("flash", "--kernel", help="Comma-separated kernels to compare: naive, flash, "
                                "flash-portable."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default targets)."),
@@ -581,26 +583,33 @@ def ab_cmd(
     json_out: bool = JsonOpt,
 ):
     """This build's kernels against another build's on this GPU, in one process: the machine code that changed, both
-    on the golden vectors (and where they give the same bits), and their times at the same shapes in one run."""
+    on the golden vectors (and where they give the same bits), and their times at the same shapes in one run. The
+    other build is the base (--against, default main) or the candidate (--candidate)."""
     import secrets
 
     from kdev import ab, bench
 
+    if against is not None and candidate is not None:
+        raise typer.BadParameter("takes --against (the base) or --candidate, not both", param_hint="--candidate")
+    ref = candidate if candidate is not None else (against or "main")
     kernels = list(dict.fromkeys(k.strip() for k in kernel.split(",") if k.strip()))
-    ab.base_names(kernels, against)  # a kernel or a reference that names nothing: exit 2 before the GPU is asked for
+    ab.base_names(kernels, ref, candidate is not None)  # names that name nothing: exit 2 before the GPU is asked for
     cfg = bench.load_bench(config)
     shapes = bench.expand(cfg, sweep or (None if shape else "targets"), shape, axis)
     seed = seed if seed is not None else secrets.randbits(31)
-    with report.progress(f"ab against {against}", len(shapes) * (2 * len(kernels) + 1)) as advance:
-        doc = ab.run_ab(against, kernels, shapes, cfg, library, fuzz, seed, min_change, report.info, advance)
+    title = f"{ref} against this build" if candidate is not None else f"this build against {ref}"
+    with report.progress(f"ab: {title}", len(shapes) * (2 * len(kernels) + 1)) as advance:
+        doc = ab.run_ab(ref, kernels, shapes, cfg, library, fuzz, seed, min_change, report.info, advance,
+                        ref_is_candidate=candidate is not None)
     _write_json_file(out_json, doc)
     if json_out:
         report.emit_json(doc)
     else:
         for line in _ab_lines(doc):
             report.show(line)
-        report.show(report.table(f"{', '.join(kernels)}: this build against {against}, one run on {doc['gpu']['name']}",
-                                 ["shape", "kernel", f"{against} µs", "this µs", "change", "judged beyond", "verdict"],
+        base_col, cand_col = ("this µs", f"{ref} µs") if candidate is not None else (f"{ref} µs", "this µs")
+        report.show(report.table(f"{', '.join(kernels)}: {title}, one run on {doc['gpu']['name']}",
+                                 ["shape", "kernel", base_col, cand_col, "change", "judged beyond", "verdict"],
                                  _ab_rows(doc), {"left": ("shape", "kernel")}))
         for r in doc["bench"]["results"]:
             if not r["agrees"]:

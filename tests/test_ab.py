@@ -23,10 +23,18 @@ def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for(tmp_
         r = CliRunner().invoke(app, ["ab", "--against", "HEAD"])
         assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
     assert ab.base_names(["flash", "flash-portable"], "HEAD") == ["flash@HEAD", "flash-portable@HEAD"]
-    patch = tmp_path / "v.patch"  # a patch would be the other build, its verdicts reversed: apply it, --against HEAD
+    patch = tmp_path / "v.patch"  # as the base a patch's verdicts would read backwards: it is a candidate
     patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
     r = CliRunner().invoke(app, ["ab", "--against", str(patch)])
-    assert r.exit_code == 2 and "apply it (git apply) and run kdev ab --against HEAD" in r.stderr, r.output
+    assert r.exit_code == 2 and f"a patch is a candidate: kdev ab --candidate {patch}" in r.stderr, r.output
+    for args, problem in [(["--against", "HEAD", "--candidate", str(patch)], "not both"),
+                          (["--candidate", "no-such-branch-here"], "no library, build folder")]:
+        r = CliRunner().invoke(app, ["ab", *args])
+        assert r.exit_code == 2 and problem in r.output and "Traceback" not in r.output, r.output
+    if not torch.cuda.is_available():
+        r = CliRunner().invoke(app, ["ab", "--candidate", str(patch)])
+        assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
+    assert ab.base_names(["flash"], str(patch), ref_is_candidate=True) == [f"flash@{patch}"]
     with pytest.raises(BadInput):
         ab.base_names([], "HEAD")
 
@@ -44,6 +52,10 @@ def test_verdicts_compare_this_build_with_the_other_at_each_shape_of_one_run():
     assert v["s2"]["verdict"] == "SAME"  # inside 1 %
     assert v["s3"]["verdict"] == "SAME" and v["s3"]["threshold"] > 0.03  # 3 % inside three times a noisy median's
     assert all(x["backend"] == "flash" and x["baseline_us"] == 100.0 for x in v.values())
+    # REF as the candidate (kdev ab --candidate): this build is the base, REF's change is judged
+    v = {x["shape"]: x for x in ab.verdicts(results, ["flash"], "main", min_change=0.01, ref_is_candidate=True)}
+    assert (v["s1"]["verdict"], v["s1"]["baseline_us"], v["s1"]["current_us"]) == ("SLOW", 97.0, 100.0)
+    assert v["s2"]["verdict"] == "SAME" and v["s2"]["baseline_us"] == 100.4
 
 
 def test_the_machine_code_of_two_builds_is_compared_for_this_arch(sm90_library, tmp_path):

@@ -112,6 +112,12 @@ def test_ab_against_a_copy_of_the_library_finds_the_same_code_and_the_same_bits(
     assert "skipped" in doc["sass"] or doc["sass"]["differ"] == []
     assert [v["shape"] for v in doc["verdicts"]] == [s.name for s in shapes]
     assert {r["backend"] for r in doc["bench"]["results"]} == {"flash", f"flash@{copy}", "naive"}
+    # the copy as the candidate (kdev ab --candidate): this build is the base, the copy's kernels are judged
+    doc = ab.run_ab(str(copy), ["flash"], shapes[:1], cfg, lib.path, seed=7, ref_is_candidate=True)
+    assert doc["ref_is"] == "candidate" and doc["candidate"]["library"] == str(copy)
+    assert doc["passed"] and doc["verify"][0]["kernel"] == f"flash@{copy}" and doc["verify"][0]["against"] == "flash"
+    assert doc["verify"][0]["same_bits"] == doc["verify"][0]["comparisons"] > 0
+    assert [v["shape"] for v in doc["verdicts"]] == [shapes[0].name]
 
 
 def test_tree_kernel_bench_checks_against_the_reference_and_times(lib):
