@@ -141,16 +141,19 @@ def build_cmd(
     config: Optional[Path] = typer.Option(None, "--config", help="Build config (default configs/build.yaml)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cache key matches."),
     kernels: Optional[Path] = typer.Option(
-        None, "--kernels", help="Build an edited copy of kernels/ (an A/B candidate) into a library of its own; "
-        "the default library is left alone. Load it with --library in verify and bench."),
+        None, "--kernels", help="Build an edited copy of kernels/ (an A/B candidate), or this checkout's kernels/ with "
+        "a patch applied (variants/NAME.patch), into a library of its own; the default library is left alone. Load it "
+        "with --library in verify and bench."),
     json_out: bool = JsonOpt,
 ):
     """Build kernels/ into one shared library (C ABI) per configuration, gated on the ptxas report."""
     from kdev import build as kbuild
     from kdev import config as cfg
 
-    if kernels is not None and not (kernels / "include").is_dir():
-        raise BadInput(f"{kernels}: not a copy of kernels/ (no include/ folder)")
+    if kernels is not None and kbuild.describe_library_ref(str(kernels)) == "patch":
+        kernels = kbuild.patch_kernels(kernels)  # build/ab-patch-<hash>/kernels, written once
+    elif kernels is not None and not (kernels / "include").is_dir():
+        raise BadInput(f"{kernels}: not a copy of kernels/ (no include/ folder) nor a patch of it")
     bc = cfg.load_build(config, _split_archs(arch))
     res = kbuild.build(bc, force=force, log=report.info, variant=kernels is not None,
                        kernel_dir=kernels.resolve() if kernels is not None else kbuild.KERNEL_DIR)

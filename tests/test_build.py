@@ -149,13 +149,26 @@ def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, buil
         "kernels/verify_attn_flash.cu"]
 
 
-def test_variant_needs_a_kernels_copy(tmp_path):
+def test_variant_needs_a_kernels_copy_or_a_patch(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kdev.cli import app
 
     r = CliRunner().invoke(app, ["build", "--kernels", str(tmp_path)])
     assert r.exit_code == 2 and "not a copy of kernels/" in r.stderr and "Traceback" not in r.output
+    # a patch: this checkout's kernels/ with it applied (kbuild.patch_kernels, tested with KERNEL@REF), then built
+    patch = tmp_path / "v.patch"
+    patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
+    applied, built = [], []
+    monkeypatch.setattr(kbuild, "patch_kernels", lambda p: applied.append(p) or tmp_path / "patched" / "kernels")
+
+    def fake_build(cfg, force=False, log=None, variant=False, kernel_dir=None):
+        built.append((variant, kernel_dir))
+        raise CheckFailed("stand-in build")
+
+    monkeypatch.setattr(kbuild, "build", fake_build)
+    r = CliRunner().invoke(app, ["build", "--kernels", str(patch), "--arch", "sm_90"])
+    assert applied == [patch] and built == [(True, (tmp_path / "patched" / "kernels").resolve())], r.output
 
 
 @needs_nvcc
