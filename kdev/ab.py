@@ -18,7 +18,7 @@ from kdev.errors import BadInput, EnvironmentMissing
 DEFAULT_MIN_CHANGE = 0.01  # in one run the medians' noise is a few tenths of a percent (kernels/NOTES.md)
 
 
-def base_names(kernels: list[str], ref: str, ref_is_candidate: bool = False) -> list[str]:
+def ref_names(kernels: list[str], ref: str, ref_is_candidate: bool = False) -> list[str]:
     """The KERNEL@REF names of the other build's kernels, checked (bad input before any GPU is asked for)."""
     bad = [k for k in kernels if k not in abi.VERIFY_KERNELS]
     if bad or not kernels:
@@ -75,7 +75,7 @@ def run_ab(ref: str, kernels: list[str], shapes: list, cfg, lib_path=None, fuzz:
     ref_is_candidate: the other way round."""
     from kdev import gpu, verify
 
-    names = base_names(kernels, ref, ref_is_candidate)
+    names = ref_names(kernels, ref, ref_is_candidate)
     gpu.require_cuda("kdev ab")
     lib = abi.load_library(lib_path, log)
     others = abi.load_kernel_refs(names, log=log)

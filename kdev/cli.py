@@ -596,7 +596,7 @@ def ab_cmd(
         raise typer.BadParameter("takes --against (the base) or --candidate, not both", param_hint="--candidate")
     ref = candidate if candidate is not None else (against or "main")
     kernels = list(dict.fromkeys(k.strip() for k in kernel.split(",") if k.strip()))
-    ab.base_names(kernels, ref, candidate is not None)  # names that name nothing: exit 2 before the GPU is asked for
+    ab.ref_names(kernels, ref, candidate is not None)  # names that name nothing: exit 2 before the GPU is asked for
     cfg = bench.load_bench(config)
     shapes = bench.expand(cfg, sweep or (None if shape else "targets"), shape, axis)
     seed = seed if seed is not None else secrets.randbits(31)

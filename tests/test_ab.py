@@ -22,7 +22,7 @@ def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for(tmp_
     if not torch.cuda.is_available():  # main is a revision here: the arguments are good, the GPU is missing
         r = CliRunner().invoke(app, ["ab", "--against", "HEAD"])
         assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
-    assert ab.base_names(["flash", "flash-portable"], "HEAD") == ["flash@HEAD", "flash-portable@HEAD"]
+    assert ab.ref_names(["flash", "flash-portable"], "HEAD") == ["flash@HEAD", "flash-portable@HEAD"]
     patch = tmp_path / "v.patch"  # as the base a patch's verdicts would read backwards: it is a candidate
     patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
     r = CliRunner().invoke(app, ["ab", "--against", str(patch)])
@@ -34,9 +34,9 @@ def test_bad_kernels_and_references_are_refused_before_any_gpu_is_asked_for(tmp_
     if not torch.cuda.is_available():
         r = CliRunner().invoke(app, ["ab", "--candidate", str(patch)])
         assert r.exit_code == 3 and "no CUDA GPU" in r.stderr
-    assert ab.base_names(["flash"], str(patch), ref_is_candidate=True) == [f"flash@{patch}"]
+    assert ab.ref_names(["flash"], str(patch), ref_is_candidate=True) == [f"flash@{patch}"]
     with pytest.raises(BadInput):
-        ab.base_names([], "HEAD")
+        ab.ref_names([], "HEAD")
 
 
 def _timed(shape, backend, us, sem=0.002):
