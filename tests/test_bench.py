@@ -247,13 +247,11 @@ def test_a_kernel_of_another_build_is_a_backend_named_kernel_at_ref(tmp_path):
         assert r.exit_code == 2 and problem.split(": ")[-1] in r.stderr and "Traceback" not in r.output, r.output
 
 
-def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
-    """flash@REV: kernels/ as that commit has it, extracted once under build/ab-<commit> and built as an A/B variant
-    for the arch asked (the build itself stood in for: it is kdev build --kernels, tested with the build)."""
+def _stand_in_build(monkeypatch, tmp_path) -> list:
+    """kbuild.build replaced by a stand-in that records (archs, kernel_dir, variant) and returns tmp_path/lib.so (the
+    build itself is kdev build --kernels, tested with the build)."""
     from kdev import build as kbuild
 
-    sha = kbuild.git_revision("HEAD")
-    assert sha and kbuild.describe_library_ref("HEAD") == "revision"
     built = []
 
     def fake_build(cfg, log=None, kernel_dir=None, variant=False):
@@ -262,6 +260,17 @@ def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
                                   build_info={}, resources=[], problems=[], launches=[], embedded={}, seconds=0.0)
 
     monkeypatch.setattr(kbuild, "build", fake_build)
+    return built
+
+
+def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
+    """flash@REV: kernels/ as that commit has it, extracted once under build/ab-<commit> and built as an A/B variant
+    for the arch asked (the build itself stood in for: it is kdev build --kernels, tested with the build)."""
+    from kdev import build as kbuild
+
+    sha = kbuild.git_revision("HEAD")
+    assert sha and kbuild.describe_library_ref("HEAD") == "revision"
+    built = _stand_in_build(monkeypatch, tmp_path)
     tree = kbuild.revision_kernels("HEAD", output_dir=tmp_path / "build")
     assert tree == tmp_path / "build" / f"ab-{sha[:12]}" / "kernels" and kbuild.is_kernel_tree(tree)
     assert sorted(p.name for p in tree.glob("*.cu")) == sorted(p.name for p in kbuild.KERNEL_DIR.glob("*.cu"))
@@ -306,14 +315,7 @@ def test_a_patch_is_applied_to_this_checkouts_kernels_once_and_built(tmp_path, m
     with pytest.raises(BadInput, match="v2.patch: does not apply to"):
         kbuild.patch_kernels(_stale_patch(tmp_path / "v2.patch"), output_dir=tmp_path / "build")
     assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]
-    built = []
-
-    def fake_build(cfg, log=None, kernel_dir=None, variant=False):
-        built.append((cfg.archs, kernel_dir, variant))
-        return kbuild.BuildResult(library=tmp_path / "lib.so", folder=tmp_path, cached=False, key="k",
-                                  build_info={}, resources=[], problems=[], launches=[], embedded={}, seconds=0.0)
-
-    monkeypatch.setattr(kbuild, "build", fake_build)
+    built = _stand_in_build(monkeypatch, tmp_path)
     monkeypatch.setattr(kbuild, "REPO_ROOT", tmp_path)  # build/ab-patch-* under tmp_path/build
     res = kbuild.library_for(str(patch), ["sm_90"])
     assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree, True)]
