@@ -662,7 +662,7 @@ def plan_cmd(
                                            "the last build)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default configs/bench.yaml)."),
     costs: bool = typer.Option(False, "--costs", help="Also the planner's model cost of the choices it weighed "
-                               "(split count, narrow span), the cheapest first, against the one it took."),
+                               "(full-tile and narrow split counts), the cheapest first, against the one it took."),
     json_out: bool = JsonOpt,
 ):
     """What the flash call launches at DDTree shapes on a GPU (no GPU needed): kernels, row tiles, KV splits, CTAs
@@ -691,7 +691,7 @@ def plan_cmd(
         tiles = f"{p['row_tiles'] - 1} + {p['narrow_rows']}-row" if p["narrow_kernel"] else str(p["row_tiles"])
         ctas = f"{p['full_ctas']} + {p['narrow_ctas']}" if p["narrow_kernel"] else str(p["full_ctas"])
         rows.append([p["shape"], f"{p['full_kernel'].removeprefix('verify_attn_flash_')} {p['full_smem']:,} B", tiles,
-                     f"{p['splits']}" + (f" ({p['narrow_span']}/narrow)" if p["narrow_kernel"] else ""), ctas,
+                     f"{p['splits']}" + (f" + {p['narrow_splits']} narrow" if p["narrow_kernel"] else ""), ctas,
                      f"{p['waves']} x {gpu.sms * p['ctas_per_sm']}", f"{100 * p['slot_use']:.1f}%",
                      f"{100 * p['row_use']:.1f}%",
                      f"{p['kv_read_bytes'] / 1e6:,.0f} MB ({p['kv_read_bytes'] // p['kv_bytes']}x)",
@@ -705,17 +705,17 @@ def plan_cmd(
          "KV read by CTAs", "workspace", "floor µs"], rows, {"left": ("shape", "full-tile kernel")}))
     if costs:
         def choice(c: dict) -> str:
-            return f"{c['splits']}/{c['narrow_span']}: {c['cost_tiles']:,.1f} ({100 * (c['relative'] - 1):+.1f}%)"
+            return f"{c['splits']}/{c['narrow_splits']}: {c['cost_tiles']:,.1f} ({100 * (c['relative'] - 1):+.1f}%)"
 
         rows = []
         for p in doc["plans"]:
             cs = p["split_costs"]
-            taken = next(c for c in cs if c["splits"] == p["splits"] and c["narrow_span"] == max(p["narrow_span"], 1))
-            one = next(c for c in cs if c["splits"] == 1 and c["narrow_span"] == 1)
+            taken = next(c for c in cs if (c["splits"], c["narrow_splits"]) == (p["splits"], p["narrow_splits"]))
+            one = next(c for c in cs if c["splits"] == 1)
             rows.append([p["shape"], choice(taken), "  ".join(choice(c) for c in cs[:4]), choice(one)])
         report.show(report.table(
-            "the planner's model (KV tiles: waves x the longest CTA's tiles + 6; splits/narrow span: cost, over the "
-            "cheapest)", ["shape", "taken", "cheapest four", "one split"], rows,
+            "the planner's model (KV tiles: the full tiles' waves, then the narrow CTAs on the SMs they leave, each CTA "
+            "its tiles + 6; full/narrow splits: cost, over the cheapest)", ["shape", "taken", "cheapest four", "one split"], rows,
             {"left": ("shape", "taken", "cheapest four", "one split")}))
     big = doc["largest_workspace"]
     if big and big["bytes"]:

@@ -8,14 +8,15 @@ figures. What this module adds is arithmetic on that plan, each figure named for
 - CTAs per SM: the full-tile kernel's registers (the ptxas report in the build.json beside the library, allocated per
   warp in units of 256), its shared memory (dynamic + static + the 1 KB the runtime reserves per block) and threads,
   against the GPU's per-SM limits.
-- waves: the full-tile kernel's working CTAs over SMs x CTAs per SM (the narrow kernel's CTAs take the SMs that the
-  full tiles leave).
+- waves: the full-tile kernel's working CTAs over SMs x CTAs per SM (the narrow kernel's CTAs, cut by a split count of
+  their own, take the SMs that the full tiles' last wave leaves, then the rest).
 - slot use: the KV tiles the full-tile CTAs run over waves x SMs x CTAs per SM x the longest CTA's tiles (the split
   cut mirrors the kernels' split_chunk: equal chunks of whole 32-token tiles).
 - row use: the requests' rows (T x H) over the rows the tensor cores compute (64 per full row tile, 16 per narrow one).
 - KV read: every row tile's CTAs read the request's whole KV range (L2 -> SM traffic), against the KV in memory once.
 - floor: the larger of FLOPs over the GPU's mma.sync ceiling and bytes over its memory ceiling (as kdev bench).
-With costs, each plan also carries the planner's own model cost of every choice it weighed (kdtree_flash_split_cost).
+With costs, each plan also carries the planner's own model cost (kdtree_flash_split_cost) of its choices: per full-tile
+split count, the narrow split count the planner's rule would take with it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
 KV_ROW_BYTES = 576 * 2
 CALLS = ("flash", "flash-portable")
 MAX_SPLITS_ASKED = 256  # past the combine's cap (kMaxSplits): the library answers infinity there
+PLAN_ABI = 3  # kdtree_abi_version from which kdtree_flash_plan's narrow output is the narrow tiles' own split count
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -144,6 +146,10 @@ class PlanLibrary:
         self.launch_plan = launch_plan_entry(L, error=BadInput)
         if not hasattr(L, "kdtree_flash_plan") or self.launch_plan is None:
             raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
+        L.kdtree_abi_version.restype = ctypes.c_int
+        if L.kdtree_abi_version() < PLAN_ABI:  # its narrow figure is another quantity (splits per narrow CTA)
+            raise EnvironmentMissing(f"{path}: ABI {L.kdtree_abi_version()} plans the narrow tiles another way (ABI "
+                                     f"{PLAN_ABI} needed): run 'kdev build'")
         i, n, s = ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
         L.kdtree_flash_plan.argtypes = [i] * 7 + [n, n, n, n, s]
         # a library from before the planner's costs were exposed still plans; only --costs needs the entry
@@ -176,24 +182,30 @@ class PlanLibrary:
         if self.lib.kdtree_flash_plan(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, gpu.threads_per_sm,
                                       *map(ctypes.byref, out), ctypes.byref(ws)):
             raise self._fail("kdtree_flash_plan")
-        m_tiles, splits, span, groups = (x.value for x in out)
-        return {"row_tiles": m_tiles, "splits": splits, "narrow_span": span, "combine_groups": groups,
+        m_tiles, splits, narrow_splits, groups = (x.value for x in out)
+        return {"row_tiles": m_tiles, "splits": splits, "narrow_splits": narrow_splits, "combine_groups": groups,
                 "workspace_bytes": ws.value}
 
     def split_costs(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int,
                     gpu: GpuSpec) -> list[dict]:
-        """The planner's model cost (KV tiles) of every choice it may take for these bounds, cheapest first."""
+        """The planner's model cost (KV tiles) of every choice it may take for these bounds (full-tile splits, narrow
+        splits: 0 where there is no narrow tile), in the order of the splits."""
         if not self.has_costs:
             raise EnvironmentMissing(f"{self.path}: built from sources without kdtree_flash_split_cost: run 'kdev build'")
         out, cost = [], ctypes.c_double()
-        for span in (1, 2):
-            for splits in range(1, MAX_SPLITS_ASKED + 1):
-                if self.lib.kdtree_flash_split_cost(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, splits, span,
-                                                    ctypes.byref(cost)):
+        for splits in range(1, MAX_SPLITS_ASKED + 1):
+            found = len(out)
+            for narrow_splits in range(MAX_SPLITS_ASKED + 1):
+                if self.lib.kdtree_flash_split_cost(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, splits,
+                                                    narrow_splits, ctypes.byref(cost)):
                     raise self._fail("kdtree_flash_split_cost")
                 if math.isfinite(cost.value):
-                    out.append({"splits": splits, "narrow_span": span, "cost_tiles": cost.value})
-        return sorted(out, key=lambda c: (c["cost_tiles"], c["splits"]))
+                    out.append({"splits": splits, "narrow_splits": narrow_splits, "cost_tiles": cost.value})
+                elif len(out) > found:
+                    break  # past the cap (or past 0 without a narrow tile): the rest are infinite too
+            if len(out) == found:
+                break  # past the cap, or more than one split without a full tile: so are all larger counts
+        return out
 
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
         return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable)
@@ -223,7 +235,7 @@ class ShapePlan:
     row_tiles: int
     narrow_rows: int  # rows of the narrow last tile; 0 where the last tile runs as a full one
     splits: int
-    narrow_span: int
+    narrow_splits: int
     combine_groups: int
     workspace_bytes: int
     full_kernel: str
@@ -247,13 +259,26 @@ def split_tiles(kv_len: int, splits: int) -> list[int]:
     return [math.ceil(max(0, min(chunk, kv_len - s * chunk)) / BLOCK_N) for s in range(splits)]
 
 
+NEAR_TIE = 1e-3  # the planner takes the fewest splits (full, then narrow) within this of the least cost
+
+
 def split_costs(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec) -> list[dict]:
-    """Every choice of split count and narrow span the planner weighs at this shape, with its model cost, cheapest
-    first, and each one's cost over the cheapest (the plan takes the cheapest, or within 0.1 % fewer splits)."""
+    """The planner's model at this shape: per full-tile split count, the narrow split count its rule would take with
+    it (the fewest within 0.1 % of the least cost of all, else the cheapest for that count), with its model cost,
+    cheapest first, and each one's cost over the least (the plan is the first, in order of splits, within 0.1 %)."""
     costs = lib.split_costs(shape.batch, shape.batch * shape.T, shape.heads, shape.T, shape.prefix + shape.T, gpu)
-    for c in costs:
-        c["relative"] = c["cost_tiles"] / costs[0]["cost_tiles"]
-    return costs
+    least = min(c["cost_tiles"] for c in costs)
+    per_split: dict[int, dict] = {}
+    for c in costs:  # in order of (splits, narrow splits)
+        kept = per_split.get(c["splits"])
+        near = c["cost_tiles"] <= least * (1 + NEAR_TIE)
+        if kept is None or (near and kept["cost_tiles"] > least * (1 + NEAR_TIE)) or \
+                (not near and c["cost_tiles"] < kept["cost_tiles"]):
+            per_split[c["splits"]] = c
+    out = sorted(per_split.values(), key=lambda c: (c["cost_tiles"], c["splits"]))
+    for c in out:
+        c["relative"] = c["cost_tiles"] / least
+    return out
 
 
 def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "flash") -> ShapePlan:
@@ -262,7 +287,7 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
     p = lib.split_plan(B, B * T, H, T, kv_len, gpu)
     tensor_copy = gpu.major >= 9 and shape.page_size >= BLOCK_N
     k = lib.kernels(gpu, tensor_copy, call == "flash-portable")
-    narrow = 1 if p["narrow_span"] else 0
+    narrow = 1 if p["narrow_splits"] else 0
     full_tiles = p["row_tiles"] - narrow
     per_sm = lib.ctas_per_sm(k["full"], k["full_smem"], gpu)
     if per_sm < 1:
@@ -270,7 +295,7 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
                        f"memory)")
     tiles = split_tiles(kv_len, p["splits"])
     full_ctas = B * full_tiles * p["splits"]
-    narrow_ctas = B * math.ceil(p["splits"] / p["narrow_span"]) if narrow else 0
+    narrow_ctas = B * p["narrow_splits"]
     slots = gpu.sms * per_sm
     waves = math.ceil(full_ctas / slots) if full_ctas else 0
     slot_use = B * full_tiles * sum(tiles) / (waves * slots * max(tiles)) if full_ctas else 0.0
@@ -283,7 +308,7 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
         floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
     return ShapePlan(
         shape=shape.name, axes=asdict(shape), rows=rows, row_tiles=p["row_tiles"],
-        narrow_rows=rows - full_tiles * BLOCK_M if narrow else 0, splits=p["splits"], narrow_span=p["narrow_span"],
+        narrow_rows=rows - full_tiles * BLOCK_M if narrow else 0, splits=p["splits"], narrow_splits=p["narrow_splits"],
         combine_groups=p["combine_groups"], workspace_bytes=p["workspace_bytes"], full_kernel=k["full"],
         full_smem=k["full_smem"], narrow_kernel=k["narrow"] if narrow else None, ctas_per_sm=per_sm,
         full_ctas=full_ctas, narrow_ctas=narrow_ctas, waves=waves, slot_use=slot_use,

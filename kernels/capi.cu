@@ -135,7 +135,9 @@ kdtree::FlashPlan flash_plan(const VerifyAttnParams* p, int sm_count) {
 extern "C" {
 
 // 2: VerifyAttnParams.plan_sm_count (the field that was `reserved` in 1, which ignored it).
-int kdtree_abi_version(void) { return 2; }
+// 3: kdtree_flash_plan and kdtree_flash_split_cost speak of the narrow tiles' own split count (in 2: how many of the
+// full tiles' splits one narrow CTA covered), and the workspace holds the narrow tiles' partials apart.
+int kdtree_abi_version(void) { return 3; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
@@ -227,13 +229,13 @@ int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int por
 
 // The flash call's plan for a launch's shape bounds (batch, total_q, num_heads, max_qlen, max_kv_len: as in
 // VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
-// launch it there: row tiles per request, KV splits, the splits one narrow CTA covers (0: no narrow kernel), the
+// launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones (0: no narrow kernel), the
 // combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
 int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_span, int* combine_groups,
+                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits, int* combine_groups,
                       size_t* workspace_bytes) {
   g_last_error[0] = '\0';
-  if (num_m_tiles == nullptr || num_splits == nullptr || narrow_span == nullptr || combine_groups == nullptr ||
+  if (num_m_tiles == nullptr || num_splits == nullptr || narrow_splits == nullptr || combine_groups == nullptr ||
       workspace_bytes == nullptr)
     return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
   if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
@@ -243,24 +245,23 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
                                                                 sm_count);
   *num_m_tiles = plan.num_m_tiles;
   *num_splits = plan.num_splits;
-  *narrow_span = plan.narrow_span;
-  *combine_groups = plan.num_splits > 1 ? kdtree::flash_combine_groups((long)total_q * num_heads, plan.num_splits,
-                                                                       sm_count, threads_per_sm)
-                                        : 0;
+  *narrow_splits = plan.narrow_splits;
+  *combine_groups = kdtree::flash_combine_groups(plan, batch, (long)total_q * num_heads, sm_count, threads_per_sm);
   *workspace_bytes = plan.workspace_bytes;
   return KDTREE_OK;
 }
 
-// The planner's model cost, in KV tiles, of one choice for the same shape bounds: `splits` KV splits with a narrow CTA
-// over `narrow_span` of them (1 where there is no narrow tile); +infinity for a choice the planner may not take. The
+// The planner's model cost, in KV tiles, of one choice for the same shape bounds: `splits` KV splits of every full row
+// tile and `narrow_splits` of every narrow one (0 where there is no narrow tile); +infinity for a choice the planner
+// may not take. The
 // plan is the cheapest choice (kdtree_flash_plan); this says by how much (`kdev plan --costs`). Needs no GPU.
 int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                            int splits, int narrow_span, double* cost) {
+                            int splits, int narrow_splits, double* cost) {
   g_last_error[0] = '\0';
   if (cost == nullptr) return fail(KDTREE_ERR_INVALID, "cost is NULL");
   if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
   if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
-  *cost = kdtree::flash_split_cost(batch, max_qlen, num_heads, max_kv_len, sm_count, splits, narrow_span);
+  *cost = kdtree::flash_split_cost(batch, max_qlen, num_heads, max_kv_len, sm_count, splits, narrow_splits);
   return KDTREE_OK;
 }
 

@@ -308,13 +308,41 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
   exp_scores(s, st, pf);
 }
 
+// Where a CTA's rows go: with one split (splits == 1), bf16 out and lse at the row's own index grow; else split
+// `split`'s fp32 partial in one part of the workspace (flash_plan.cuh): values at o + (split rows + prow) 512, LSE at
+// lse[split rows + prow], for the part's row prow = grow + shift.
+struct SplitPartials {
+  float* o;
+  float* lse;
+  size_t rows;
+  long long shift;
+  int split, splits;
+};
+
+// The full row tiles' part: every row of the call, at its own index.
+__device__ __forceinline__ SplitPartials full_partials(const VerifyAttnParams& p, int split, int num_splits) {
+  const size_t rows = (size_t)p.total_q * p.num_heads;
+  float* o = static_cast<float*>(p.workspace);
+  return {o, o + (size_t)num_splits * rows * KDTREE_V_DIM, rows, 0, split, num_splits};
+}
+
+// The narrow tiles' part, after the full tiles' (whose split count is num_splits): request b's narrow tile, rows
+// [row0, R) of the request whose first node is q0, at rows b x 16 + [0, R - row0).
+__device__ __forceinline__ SplitPartials narrow_partials(const VerifyAttnParams& p, int num_splits, int split,
+                                                         int narrow_splits, int b, int q0, int row0) {
+  const size_t rows = (size_t)p.batch * kNarrowRows;
+  float* o = static_cast<float*>(p.workspace) + flash_full_partials_floats(num_splits, (size_t)p.total_q * p.num_heads);
+  const long long shift = (long long)b * kNarrowRows - ((long long)q0 * p.num_heads + row0);
+  return {o, o + (size_t)narrow_splits * rows * KDTREE_V_DIM, rows, shift, split, narrow_splits};
+}
+
 // One output row of an epilogue: this thread's NT pairs of O values (pair nt at value column col0 + (nt / 2) kStride
 // + 8 (nt % 2), pair(nt, e) its two values), times inv, as bf16 out or as this split's fp32 partial; and the row's
 // lse, where write_lse.
 template <int NT, int kStride, typename Pair>
-__device__ __forceinline__ void store_row(const VerifyAttnParams& p, size_t rows_total, size_t grow, int col0, float inv,
-                                          float lse, bool write_lse, int split, int num_splits, Pair&& pair) {
-  if (num_splits == 1) {
+__device__ __forceinline__ void store_row(const VerifyAttnParams& p, const SplitPartials& part, size_t grow, int col0,
+                                          float inv, float lse, bool write_lse, Pair&& pair) {
+  if (part.splits == 1) {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + col0;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -322,21 +350,20 @@ __device__ __forceinline__ void store_row(const VerifyAttnParams& p, size_t rows
           __floats2bfloat162_rn(pair(nt, 0) * inv, pair(nt, 1) * inv);
     if (write_lse) p.lse[grow] = lse;
   } else {
-    float* ws_o = static_cast<float*>(p.workspace) + ((size_t)split * rows_total + grow) * KDTREE_V_DIM + col0;
+    const size_t slot = (size_t)part.split * part.rows + (size_t)((long long)grow + part.shift);
+    float* ws_o = part.o + slot * KDTREE_V_DIM + col0;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
       *reinterpret_cast<float2*>(ws_o + (nt / 2) * kStride + (nt % 2) * 8) =
           make_float2(pair(nt, 0) * inv, pair(nt, 1) * inv);
-    float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-    if (write_lse) ws_lse[(size_t)split * rows_total + grow] = lse;
+    if (write_lse) part.lse[slot] = lse;
   }
 }
 
 // Epilogue of a 16-row group's half c: normalise and write bf16 out + lse, or this split's fp32 partial + lse.
 // n-tile nt of O is value columns 32 (nt / 2) + 16c + 8 (nt % 2) + [0, 8).
 __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const float (&o)[kVTiles][4], const RowSoftmax& st,
-                                           int q0, int H, int R, int r_lo, int c, int tig, int split, int num_splits) {
-  const size_t rows_total = (size_t)p.total_q * H;
+                                           int q0, int H, int R, int r_lo, int c, int tig, const SplitPartials& part) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = r_lo + half * 8;
@@ -345,7 +372,7 @@ __device__ __forceinline__ void store_rows(const VerifyAttnParams& p, const floa
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const float lse = l > 0.f ? ((half ? st.m_hi : st.m_lo) + log2f(l)) * kLn2 : -INFINITY;
     const size_t grow = (size_t)q0 * H + r;
-    store_row<kVTiles, 32>(p, rows_total, grow, c * 16 + tig * 2, inv, lse, c == 0 && tig == 0, split, num_splits,
+    store_row<kVTiles, 32>(p, part, grow, c * 16 + tig * 2, inv, lse, c == 0 && tig == 0,
                            [&](int nt, int e) { return o[nt][half * 2 + e]; });
   }
 }
@@ -511,28 +538,16 @@ __device__ __forceinline__ void release_teams_buffer(const KvSource& src_kv, con
 // groups all take the same 16 rows, group tg on tokens 8tg + [0, 8) of every tile: per warp S is 18 mma and P.V
 // 32 m16n8k8, a quarter of a full tile's tensor work and ldmatrix traffic, with the same tile copies, barrier
 // and pair exchange. Each group keeps its own online softmax; the four (m, l, O) merge once at the end through
-// shared memory, in a fixed order. The CTA covers the KV range of `span` splits (the planner counts it so) and
-// the CTAs of the other splits leave an empty partial (store_empty_partial).
-
-// The partial of a split whose range a narrow CTA of an earlier split covers: lse = -inf and O = 0 for the rows
-// [row0, R), so the combine gives it weight 0 (its O must be finite: 0 x NaN is NaN).
-__device__ __forceinline__ void store_empty_partial(const VerifyAttnParams& p, int q0, int H, int R, int row0,
-                                                    int split, int num_splits) {
-  const size_t rows_total = (size_t)p.total_q * p.num_heads;
-  const size_t grow0 = (size_t)q0 * H + row0;
-  float4* ws_o = reinterpret_cast<float4*>(static_cast<float*>(p.workspace) +
-                                           ((size_t)split * rows_total + grow0) * KDTREE_V_DIM);
-  for (int i = threadIdx.x; i < (R - row0) * KDTREE_V_DIM / 4; i += kThreads) ws_o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float* ws_lse = static_cast<float*>(p.workspace) + (size_t)num_splits * rows_total * KDTREE_V_DIM;
-  if (threadIdx.x < R - row0) ws_lse[(size_t)split * rows_total + grow0 + threadIdx.x] = -INFINITY;
-}
+// shared memory, in a fixed order. The narrow tiles have a split count of their own (the planner's narrow_splits, cut
+// as split_chunk cuts the full tiles' ranges) and their own part of the workspace (narrow_partials): shorter CTAs than
+// the full tiles', which fill the SMs the full tiles' last wave leaves (flash_plan.cuh).
 
 // kTeams (tensor copies, TeamsStorage): the teams kernel's warp map, ring and refill (verify_attn_flash_teams_kernel),
 // with the token group in place of the row group; else lockstep, a block barrier per tile.
 template <bool kTensorCopy, bool kTeams, typename Storage>
 __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& sm, const CUtensorMap* kv_map,
                                             int b, int q0, int H, int R, int row0, int L, int kv_begin, int kv_end,
-                                            int split, int num_splits) {
+                                            const SplitPartials& part) {
   static_assert(!kTeams || kTensorCopy, "the teams' ring is filled by tensor copies only");
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int tg = kTeams ? 2 * (warp / 4) + (warp % 4) / 2 : warp % 4;  // token group
@@ -688,12 +703,12 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& 
   __syncthreads();
   if (tg != 0) return;
   add(c);
-  store_rows(p, o, merged, q0, H, R, r_lo, c, tig, split, num_splits);
+  store_rows(p, o, merged, q0, H, R, r_lo, c, tig, part);
 }
 
 template <bool kTensorCopy, bool kTeams>
 __global__ void __launch_bounds__(kThreads, 1)
-    verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int span,
+    verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int narrow_splits,
                                     const __grid_constant__ CUtensorMap kv_map) {
 #if KDTREE_FLASH_SM90
   // The combine kernel behind this one may launch once every CTA of this grid has started.
@@ -706,17 +721,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   using Storage = std::conditional_t<kTeams, TeamsStorage, SharedStorage>;
   Storage& sm = shared_storage<Storage>();
-  const int split = blockIdx.x * span, b = blockIdx.y;
+  const int split = blockIdx.x, b = blockIdx.y;
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
   if (R > 0 && R - row0 <= kNarrowRows) {
     const int L = p.prefix_lens[b];
     const int kv_len = L + T;
-    const int chunk = split_chunk(kv_len, num_splits);
+    const int chunk = split_chunk(kv_len, narrow_splits);
     const int kv_begin = min(kv_len, split * chunk);
-    const int kv_end = min(kv_len, kv_begin + span * chunk);
-    for (int s = split + 1; s < split + span && s < num_splits; ++s) store_empty_partial(p, q0, H, R, row0, s, num_splits);
-    narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end, split, num_splits);
+    const int kv_end = min(kv_len, kv_begin + chunk);
+    narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end,
+                                     narrow_partials(p, num_splits, split, narrow_splits, b, q0, row0));
   }
 #if KDTREE_FLASH_SM90
   // Launched behind the full-tile kernel (programmatically), and the combine kernel behind this one waits only for
@@ -836,7 +851,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   reduce_row_sums(st);
-  store_rows(p, o, st, q0, H, R, r_lo, c, tig, split, num_splits);
+  store_rows(p, o, st, q0, H, R, r_lo, c, tig, full_partials(p, split, num_splits));
 }
 
 // ---- The tensor-copy kernel (sm_90+, pages of >= 32 tokens): two teams of warps out of phase, P.V over a team.
@@ -910,8 +925,7 @@ __device__ __forceinline__ void team_pv_tile(float (&o)[2][kTeamVTiles][4], cons
 // the sum of the pair's two halves, in order); bf16 out + lse, or this split's fp32 partial + lse.
 __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const float (&o)[2][kTeamVTiles][4],
                                                 const TeamsStorage& sm, int q0, int H, int R, int row0, int team,
-                                                int gid, int q, int tig, int split, int num_splits) {
-  const size_t rows_total = (size_t)p.total_q * H;
+                                                int gid, int q, int tig, const SplitPartials& part) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -923,7 +937,7 @@ __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse = l > 0.f ? (sm.row_m[group][gr] + log2f(l)) * kLn2 : -INFINITY;
       const size_t grow = (size_t)q0 * H + r;
-      store_row<kTeamVTiles, 64>(p, rows_total, grow, q * 16 + tig * 2, inv, lse, q == 0 && tig == 0, split, num_splits,
+      store_row<kTeamVTiles, 64>(p, part, grow, q * 16 + tig * 2, inv, lse, q == 0 && tig == 0,
                                  [&](int nt, int e) { return o[mt][nt][half * 2 + e]; });
     }
   }
@@ -1069,12 +1083,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     team_pv_tile<true>(o, sm, kv_smem + prev_buf * kBufBytes + v_lane_off, team, gid, tig, lane, prev_it & 1,
                        start - kBlockN, kv_end);
   }
-  store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig, split, num_splits);
+  store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig, full_partials(p, split, num_splits));
 #endif
 }
 
-// Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row.
-// Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in shared memory; then kGroups groups of 128
+// Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row: CTA
+// (r, b) is row r of request b, of the full tiles' part of the workspace (num_splits partials) or, in the request's
+// narrow last tile where there is a narrow kernel (narrow_splits > 0), of the narrow tiles' part; a row whose part has
+// one split was written by its tile's kernel. Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in shared memory; then kGroups groups of 128
 // threads each sum every kGroups-th split's partial over 4 columns per thread (their addresses depend on
 // nothing loaded, so several loads are in flight), and group 0 adds the groups' sums in order. Every
 // reduction has a fixed order (the butterflies give every lane the same bits): the same output on every run.
@@ -1084,7 +1100,16 @@ constexpr int kCombineColumnThreads = KDTREE_V_DIM / 4;  // 128: 4 value columns
 
 template <int kGroups>
 __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
-    verify_attn_combine_kernel(VerifyAttnParams p, int num_splits) {
+    verify_attn_combine_kernel(VerifyAttnParams p, int num_splits, int narrow_splits) {
+  // which part holds the row: the call's inputs only, read before the wait
+  const int b = blockIdx.y, r = blockIdx.x;
+  const auto [H, q0, T, R] = request_rows(p, b);
+  if (r >= R) return;  // this request has fewer rows than the largest one
+  const int row0 = (R - 1) / kBlockM * kBlockM;
+  const SplitPartials part = narrow_splits > 0 && R - row0 <= kNarrowRows && r >= row0
+                                 ? narrow_partials(p, num_splits, 0, narrow_splits, b, q0, row0)
+                                 : full_partials(p, 0, num_splits);
+  if (part.splits == 1) return;
 #if KDTREE_FLASH_SM90
   // launched programmatically behind the flash kernel (sm_90+): wait until its writes are complete and visible
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -1092,10 +1117,11 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
   __shared__ float weight[kMaxSplits];
   __shared__ float row_lse;
   __shared__ float4 group_sum[kGroups > 1 ? kGroups - 1 : 1][kCombineColumnThreads];
-  const size_t rows_total = (size_t)p.total_q * p.num_heads;
-  const size_t row = blockIdx.x;
-  const float* ws_o = static_cast<const float*>(p.workspace);
-  const float* ws_lse = ws_o + (size_t)num_splits * rows_total * KDTREE_V_DIM;
+  const size_t grow = (size_t)q0 * H + r;
+  const size_t rows_total = part.rows, row = (size_t)((long long)grow + part.shift);
+  num_splits = part.splits;
+  const float* ws_o = part.o;
+  const float* ws_lse = part.lse;
   if (threadIdx.x < 32) {
     // lane holds splits lane + 32 k; the splits past num_splits are -inf, and add exactly 0 below, so a row of at most
     // 64 splits gets the bits it got when a lane held two
@@ -1157,10 +1183,10 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
     acc.z += v.z;
     acc.w += v.w;
   }
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + row * KDTREE_V_DIM + t * 4;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + grow * KDTREE_V_DIM + t * 4;
   *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x, acc.y);
   *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z, acc.w);
-  if (t == 0) p.lse[row] = row_lse;
+  if (t == 0) p.lse[grow] = row_lse;
 }
 
 }  // namespace
@@ -1170,19 +1196,25 @@ FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_
   FlashPlan plan{};
   plan.num_m_tiles = split.num_m_tiles;
   plan.num_splits = split.num_splits;
-  plan.narrow_span = split.narrow_span;
-  const int splits = split.num_splits;
-  plan.workspace_bytes = splits > 1 ? (size_t)splits * total_q * num_heads * (KDTREE_V_DIM + 1) * sizeof(float) : 0;
+  plan.narrow_splits = split.narrow_splits;
+  plan.workspace_bytes = (flash_full_partials_floats(split.num_splits, (size_t)total_q * num_heads) +
+                          flash_narrow_partials_floats(split.narrow_splits, batch)) *
+                         sizeof(float);
   return plan;
 }
 
 // Groups of splits per row: as few as fill the GPU's threads (1, 2 or 4, at most the split count). Few rows (T x H
 // small) need the groups to have loads enough in flight; with many rows, groups only add the shared-memory sum and its
-// barrier (measured: NOTES.md, flash v13).
-int flash_combine_groups(long rows, int num_splits, int sms, int threads_per_sm) {
+// barrier (measured: NOTES.md, flash v13). Counted for the full tiles' rows where they have partials, else for the
+// narrow tiles' (at most 16 per request); 0 where no row has partials (no combine kernel).
+int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, int threads_per_sm) {
+  const bool full = plan.num_splits > 1;
+  const int splits = full ? plan.num_splits : plan.narrow_splits;
+  if (splits <= 1) return 0;
+  const long merged = full ? rows : batch * kNarrowRows;
   const long want = (long)sms * threads_per_sm;
   int groups = 1;
-  while (groups < 4 && 2 * groups <= num_splits && rows * kCombineColumnThreads * groups < want) groups *= 2;
+  while (groups < 4 && 2 * groups <= splits && merged * kCombineColumnThreads * groups < want) groups *= 2;
   return groups;
 }
 
@@ -1214,9 +1246,11 @@ static cudaError_t launch_behind(void (*kernel)(Params...), dim3 grid, unsigned 
 }
 
 template <int kGroups>
-static cudaError_t launch_combine(const VerifyAttnParams& p, int num_splits, bool programmatic, cudaStream_t stream) {
-  return launch_behind(verify_attn_combine_kernel<kGroups>, dim3((unsigned)((size_t)p.total_q * p.num_heads)),
-                       kGroups * kCombineColumnThreads, 0, programmatic, stream, p, num_splits);
+static cudaError_t launch_combine(const VerifyAttnParams& p, const FlashPlan& plan, bool programmatic,
+                                  cudaStream_t stream) {
+  return launch_behind(verify_attn_combine_kernel<kGroups>, dim3((unsigned)(p.max_qlen * p.num_heads), p.batch),
+                       kGroups * kCombineColumnThreads, 0, programmatic, stream, p, plan.num_splits,
+                       plan.narrow_splits);
 }
 
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable) {
@@ -1252,7 +1286,7 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.full_smem);
   if (err != cudaSuccess) return err;
-  const int narrow_elsewhere = plan.narrow_span > 0;
+  const int narrow_elsewhere = plan.narrow_splits > 0;
   dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
   kernel<<<grid, kThreads, choice.full_smem, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
   err = cudaGetLastError();
@@ -1263,17 +1297,15 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
                                              : verify_attn_flash_narrow_kernel<false, false>);
     err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.narrow_smem);
     if (err != cudaSuccess) return err;
-    const dim3 narrow_grid((plan.num_splits + plan.narrow_span - 1) / plan.narrow_span, p.batch);
-    err = launch_behind(narrow, narrow_grid, kThreads, choice.narrow_smem, sm90, stream, p, plan.num_splits,
-                        plan.narrow_span,
-                        kv_map);
+    err = launch_behind(narrow, dim3(plan.narrow_splits, p.batch), kThreads, choice.narrow_smem, sm90, stream, p,
+                        plan.num_splits, plan.narrow_splits, kv_map);
     if (err != cudaSuccess) return err;
   }
-  if (plan.num_splits == 1) return cudaSuccess;
-  const int groups = flash_combine_groups((long)p.total_q * p.num_heads, plan.num_splits, sms, threads_per_sm);
-  err = groups == 4   ? launch_combine<4>(p, plan.num_splits, sm90, stream)
-        : groups == 2 ? launch_combine<2>(p, plan.num_splits, sm90, stream)
-                      : launch_combine<1>(p, plan.num_splits, sm90, stream);
+  const int groups = flash_combine_groups(plan, p.batch, (long)p.total_q * p.num_heads, sms, threads_per_sm);
+  if (groups == 0) return cudaSuccess;
+  err = groups == 4   ? launch_combine<4>(p, plan, sm90, stream)
+        : groups == 2 ? launch_combine<2>(p, plan, sm90, stream)
+                      : launch_combine<1>(p, plan, sm90, stream);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 

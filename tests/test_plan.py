@@ -13,13 +13,14 @@ from kdev import plan as kplan
 from kdev.cli import app
 from kdev.errors import BadInput, EnvironmentMissing
 
-# The seven target shapes on the H200: (splits, full-tile CTAs, narrow CTAs, waves), as Nsight Compute and the
-# timeline probe saw the grids there (NOTES.md: "where a v24 call's time goes", "the timeline probe run").
+# The seven target shapes on the H200: (splits, full-tile CTAs, narrow CTAs, waves of full-tile CTAs), as Nsight
+# Compute and the timeline probe saw the grids there (NOTES.md: "where a v24 call's time goes", "the timeline probe
+# run"), except B4 and B16, whose narrow tiles have their own split count since v29 (the entry "flash v29").
 H200_TARGETS = {
     "B1-L32768-N64-H8-p64": (15, 120, 8, 1),
     "B1-L131072-N64-H8-p64": (31, 248, 16, 2),
-    "B4-L32768-N64-H8-p64": (11, 352, 44, 3),
-    "B16-L8192-N32-H8-p64": (7, 448, 64, 4),
+    "B4-L32768-N64-H8-p64": (4, 128, 188, 1),
+    "B16-L8192-N32-H8-p64": (2, 128, 160, 1),
     "B1-L32768-N16-H8-p64": (52, 104, 26, 1),
     "B1-L32768-N128-H8-p64": (8, 128, 4, 1),
     "B1-L32768-N64-H64-p64": (2, 130, 0, 1),
@@ -44,14 +45,21 @@ def test_h200_plans_are_the_grids_measured_there(library):
         B, T, H = p["axes"]["batch"], p["axes"]["budget"] + 1, p["axes"]["heads"]
         assert p["full_kernel"] == "verify_attn_flash_teams_kernel" and 101376 < p["full_smem"] <= 232448
         assert p["ctas_per_sm"] == 1  # 255 registers x 256 threads: the whole register file
-        assert p["workspace_bytes"] == p["splits"] * B * T * H * 513 * 4  # fp32 partial O and its lse per split
+        assert p["workspace_bytes"] == workspace_bytes(p["splits"], p["narrow_splits"], B, T * H)
         assert p["kv_read_bytes"] == p["row_tiles"] * p["kv_bytes"] == p["row_tiles"] * B * (p["axes"]["prefix"] + T) * 1152
         assert 0 < p["slot_use"] <= 1 and 0 < p["row_use"] <= 1
     floor = {p["shape"]: p["floor_us"] for p in doc["plans"]}
     # the issue's floors (58, 233, 233, 119, 15, 116, 465 µs, rounded its own way) from 638 TFLOP/s and 3,984 GB/s
     issue = [58, 233, 233, 119, 15, 116, 465]
     assert all(abs(floor[s] - f) < 1 for s, f in zip(H200_TARGETS, issue)), floor
-    assert doc["largest_workspace"] == {"shape": "B16-L8192-N32-H8-p64", "bytes": 7 * 16 * 33 * 8 * 513 * 4}
+    assert doc["largest_workspace"] == {"shape": "B1-L131072-N64-H8-p64", "bytes": workspace_bytes(31, 16, 1, 65 * 8)}
+
+
+def workspace_bytes(splits: int, narrow_splits: int, batch: int, rows: int) -> int:
+    """fp32 partial O and its lse per split: the full tiles' for every row (padded to 256 B), then the narrow tiles'
+    for 16 rows per request; none for a part of one split."""
+    full = -(-splits * batch * rows * 513 // 64) * 64 if splits > 1 else 0
+    return 4 * (full + (narrow_splits * batch * 16 * 513 if narrow_splits > 1 else 0))
 
 
 def test_the_sm120_plan_takes_the_lockstep_kernels_within_99_kb(library):
@@ -147,7 +155,7 @@ def test_cli_table_json_and_bad_input(both_archs):
     r = runner.invoke(app, ["plan", "--gpu", "h200", "--library", lib], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "flash plan on NVIDIA H200 (sm_90, 132 SMs" in r.output and "teams_kernel 190,464 B" in r.output
-    assert "up to 57.9 MiB" in r.output
+    assert "up to 32.0 MiB" in r.output
     r = runner.invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--library", lib, "--shape", "B=2,L=4096,N=16,H=16",
                             "--json"])
     assert r.exit_code == 0, r.output
@@ -180,12 +188,14 @@ def test_the_planners_costs_say_why_it_took_its_plan(library):
     for gpu in (kplan.resolve_gpu("h200"), kplan.resolve_gpu("rtx-pro-6000")):
         for shape, p in zip(targets(), kplan.plan(library, targets(), gpu, costs=True)["plans"]):
             costs = p["split_costs"]
-            assert costs[0]["relative"] == 1 and all(c["relative"] >= 1 for c in costs)
-            taken = [c for c in costs if (c["splits"], c["narrow_span"]) == (p["splits"], max(p["narrow_span"], 1))]
-            assert len(taken) == 1 and taken[0]["relative"] < 1.001, (gpu.key, shape.name)
-            assert not [c for c in costs if c["relative"] < 0.999 or (c["relative"] < 1.001 and c["splits"] < p["splits"])]
-            assert max(c["splits"] for c in costs) <= 128  # the combine's cap: past it, infinity (left out)
-            assert {c["narrow_span"] for c in costs} == ({1, 2} if p["narrow_kernel"] else {1})
+            # relative to the least cost of all; a split count's entry is the narrow count the rule takes with it
+            assert costs[0]["relative"] <= 1.001 and all(c["relative"] >= 1 for c in costs)
+            taken = [c for c in costs if (c["splits"], c["narrow_splits"]) == (p["splits"], p["narrow_splits"])]
+            assert len(taken) == 1 and taken[0]["relative"] <= 1.001, (gpu.key, shape.name)
+            assert not [c for c in costs if c["relative"] < 0.999 or (c["relative"] <= 1.001 and c["splits"] < p["splits"])]
+            assert len({c["splits"] for c in costs}) == len(costs)  # one choice per full-tile split count
+            assert max(c["splits"] for c in costs) <= 128 and max(c["narrow_splits"] for c in costs) <= 128  # the cap
+            assert (min(c["narrow_splits"] for c in costs) > 0) == bool(p["narrow_kernel"])
     # H64 on the RTX PRO 6000: 14 splits in 5 waves against one wave at 2, by the model's 6-tile fixed cost
     h64 = kplan.split_costs(library, targets()[-1], kplan.resolve_gpu("rtx-pro-6000"))
     two = next(c for c in h64 if c["splits"] == 2)
@@ -195,7 +205,7 @@ def test_the_planners_costs_say_why_it_took_its_plan(library):
 def test_costs_cli_and_a_library_without_them(library, both_archs, monkeypatch):
     lib = str(both_archs[1].library)
     r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", lib, "--costs"], env={"COLUMNS": "200"})
-    assert r.exit_code == 0 and "the planner's model" in r.output and "15/2:" in r.output
+    assert r.exit_code == 0 and "the planner's model" in r.output and "15/8:" in r.output
     monkeypatch.setattr(kplan.PlanLibrary, "__init__", _without_costs(kplan.PlanLibrary.__init__))
     r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--library", lib, "--costs"])
     assert r.exit_code == 3 and "without kdtree_flash_split_cost" in r.output

@@ -133,28 +133,40 @@ def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits):
 
 
 @pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
-@pytest.mark.parametrize("prefix_lens,nodes,heads,page_size,split", [
-    ((30000,), 65, 8, 64, True),         # 520 rows: 8 full tiles + 8 rows, 15 splits, a narrow CTA over two (the
-                                         # last over one), the other slot an empty partial
-    ((20000, 9000, 31000), 17, 8, 64, True),  # 136 rows per request, ragged prefixes (17 splits, two per narrow CTA)
-    ((30000,), 2, 8, 64, True),          # 16 rows: the whole request one narrow tile, a narrow CTA per split
-    ((5000, 300), 1, 8, 1, True),        # 8 rows at page size 1 (cp.async)
-    ((200, 90), 2, 8, 64, False),        # too short to split: the narrow kernel writes the output itself
+@pytest.mark.parametrize("prefix_lens,nodes,page_size,plan", [
+    ((30000,), 65, 64, (15, 8)),         # 520 rows: 8 full tiles + 8 rows, both split: two parts of the workspace
+    ((20000, 9000, 31000), 17, 64, (17, 9)),  # 136 rows per request, ragged prefixes: the short ones' last narrow
+                                         # splits are empty ranges
+    ((30000,), 2, 64, (1, 118)),         # 16 rows: the whole request one narrow tile; the combine merges its rows only
+    ((5000, 300), 1, 1, (1, 20)),        # 8 rows at page size 1 (cp.async)
+    ((300, 280, 120), 65, 64, (2, 1)),   # full tiles split, narrow ones not: the narrow kernel writes its rows itself
+    ((200, 90), 2, 64, (1, 1)),          # too short to split: the narrow kernel writes the output itself
 ])
-def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, heads, page_size, split, kernel):
-    """Row tiles of <= 16 rows run in the narrow kernel (four token groups on the same rows, merged at the end),
-    covering one or two splits' KV ranges and leaving the other slot an empty partial in the NaN-poisoned workspace.
-    Every form must match float64 and give the same bits on every run."""
+def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, page_size, plan, kernel):
+    """Row tiles of <= 16 rows run in the narrow kernel (four token groups on the same rows, merged at the end), with
+    a KV split count of their own: each combination of split and unsplit full and narrow tiles, planned for an H200's
+    132 SMs (params.plan_sm_count) whatever GPU runs it. Every form must match float64 in the NaN-poisoned workspace
+    and give the same bits on every run."""
+    from kdev import plan as kplan
+
     seed = int.from_bytes(os.urandom(4), "little")
-    spec = config.CaseSpec(name=f"narrow-n{nodes}-h{heads}-p{page_size}", prefix_lens=prefix_lens,
-                           tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=page_size, seed=seed,
+    spec = config.CaseSpec(name=f"narrow-n{nodes}-p{page_size}", prefix_lens=prefix_lens,
+                           tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=page_size, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    _check_flash_twice(lib, spec, kernel, split)
+    h200 = kplan.resolve_gpu("h200")
+    B, kv = len(prefix_lens), max(prefix_lens) + nodes
+    planned = kplan.PlanLibrary(lib.path).split_plan(B, B * nodes, 8, nodes, kv, h200)
+    assert (planned["splits"], planned["narrow_splits"]) == plan
+    lib.plan_as(h200.sms)
+    try:
+        _check_flash_twice(lib, spec, kernel, split=plan[0] > 1)
+    finally:
+        lib.plan_as(0)
 
 
 @pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("prefix_lens,nodes", [
-    ((8192,) * 16, 33),                  # the B16 target: 448 full-tile CTAs and 64 narrow ones, four waves on an H200
+    ((8192,) * 16, 33),                  # the B16 target: 128 full-tile CTAs, one wave on an H200, and 160 narrow ones
     ((8000, 40, 7000, 0, 8100, 500, 3000, 64, 8000, 1, 6000, 2500, 8190, 90, 4000, 7500), 33),
     # ragged: the split count is planned for the longest request, so the short ones' later splits are empty (an
     # empty partial) or a single, partial tile

@@ -66,14 +66,15 @@ cudaError_t launch_verify_attn_naive(const VerifyAttnParams& p, cudaStream_t str
 struct FlashPlan {
   int num_m_tiles;  // ceil(max_qlen * num_heads / 64)
   int num_splits;   // KV splits per (request, row tile)
-  int narrow_span;  // splits whose KV range one narrow CTA (a row tile of <= 16 rows) covers
+  int narrow_splits;  // KV splits of a request's narrow last row tile (<= 16 rows); 0: no narrow kernel
   size_t workspace_bytes;
 };
 // The flash call's plan for a launch's shape bounds (VerifyAttnParams' batch, total_q, num_heads, max_qlen, max_kv_len)
 // on a GPU of sm_count SMs: plain host arithmetic, so that kdtree_flash_plan reports it without a GPU.
 FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count);
-// How many groups of splits the combine kernel gives each row (1, 2 or 4), on a GPU of sms x threads_per_sm threads.
-int flash_combine_groups(long rows, int num_splits, int sms, int threads_per_sm);
+// How many groups of splits the combine kernel gives each row (1, 2 or 4; 0: no combine kernel) for a call of `batch`
+// requests and `rows` rows in all, on a GPU of sms x threads_per_sm threads.
+int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, int threads_per_sm);
 // Which kernels a flash call launches and the dynamic shared memory per block they take, on a GPU of compute
 // capability `major` whose blocks may hold `smem_optin` bytes: full tiles by tensor copy (sm_90+, pages of >= 32
 // tokens) or by cp.async, the flash or the portable call. The launcher decides by it; kdtree_flash_launch_plan reports
