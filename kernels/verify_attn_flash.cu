@@ -1090,10 +1090,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row: CTA
 // (r, b) is row r of request b, of the full tiles' part of the workspace (num_splits partials) or, in the request's
 // narrow last tile where there is a narrow kernel (narrow_splits > 0), of the narrow tiles' part; a row whose part has
-// one split was written by its tile's kernel. Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in shared memory; then kGroups groups of 128
-// threads each sum every kGroups-th split's partial over 4 columns per thread (their addresses depend on
-// nothing loaded, so several loads are in flight), and group 0 adds the groups' sums in order. Every
-// reduction has a fixed order (the butterflies give every lane the same bits): the same output on every run.
+// one split was written by its tile's kernel. Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in
+// shared memory; then kGroups groups of 128 threads each sum every kGroups-th split's partial over 4 columns per
+// thread (their addresses depend on nothing loaded, so several loads are in flight), and group 0 adds the groups'
+// sums in order. Every reduction has a fixed order (the butterflies give every lane the same bits): the same output
+// on every run.
 // (The first form, one 128-thread CTA per row walking the splits with each load behind the previous one's
 // weight, took 10-20 µs per call at the target shapes: NOTES.md.)
 constexpr int kCombineColumnThreads = KDTREE_V_DIM / 4;  // 128: 4 value columns each
