@@ -715,8 +715,8 @@ def plan_cmd(
             rows.append([p["shape"], choice(taken), "  ".join(choice(c) for c in cs[:4]), choice(one)])
         report.show(report.table(
             "the planner's model (KV tiles: the full tiles' waves, then the narrow CTAs on the SMs they leave, each CTA "
-            "its tiles + 6; full/narrow splits: cost, over the cheapest)", ["shape", "taken", "cheapest four", "one split"], rows,
-            {"left": ("shape", "taken", "cheapest four", "one split")}))
+            "its tiles + 6; full/narrow splits: cost, over the cheapest)",
+            ["shape", "taken", "cheapest four", "one split"], rows, {"left": ("shape", "taken", "cheapest four", "one split")}))
     big = doc["largest_workspace"]
     if big and big["bytes"]:
         report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "
