@@ -6,7 +6,8 @@ usage: python3 scripts/cta_timeline.py --library LIB --shape B=16,L=8192,N=32,H=
 With the probe applied (build it with `kdev build --kernels <patched kernels tree>`), every CTA of the teams kernel and
 of the narrow kernel writes one record of %globaltimer stamps to a device buffer, which the library's
 kdtree_cta_probe_read copies out: the teams kernel's entry, ring ready, each team's first landed tile, loop end and
-stores issued, and its exit; the narrow kernel's entry and exit. The first form runs `--calls` flash calls back to back at
+stores issued, and its exit; the narrow kernel's entry and exit (its CTAs apart by whether they start before the teams
+kernel's last exit, beside CTAs that read the same KV, or after it). The first form runs `--calls` flash calls back to back at
 one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
 Every CTA runs once per call and the calls one after another, so a CTA (kernel and blockIdx) seen again starts a new
 call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap between
@@ -63,6 +64,13 @@ def summarise(records: np.ndarray) -> list[str]:
             per["call: teams-kernel exits p10 -> p90"].append(ends[9 * len(ends) // 10] - ends[len(ends) // 10])
         if narrow:
             per["call: first entry -> last narrow exit"].append(max(r[3] for r in narrow) - t0)
+            # a narrow CTA beside the teams kernel reads KV its CTAs also read (in L2); one after it, from memory
+            full_end = max((r[3] for r in full), default=t0)
+            if full:
+                per["call: last teams exit -> last narrow exit"].append(max(r[3] for r in narrow) - full_end)
+            for r in narrow:
+                side = "beside teams" if r[2] < full_end else "after teams"
+                per[f"narrow CTA {side}: entry -> exit"].append(r[3] - r[2])
         for _, _, _, _, (entry, ready, land0, land1, loop0, loop1, st0, st1, exit_), _ in full:
             per["CTA: entry -> ring ready"].append(ready - entry)
             per["CTA: entry -> team 0 first tile landed"].append(land0 - entry)

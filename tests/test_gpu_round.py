@@ -249,6 +249,8 @@ def test_cta_timeline_splits_calls_and_times_each_interval(tmp_path):
     out = {line[:45].strip(): line[45:].split() for line in lines[1:]}
     assert out["call: first entry -> last teams-kernel exit"][1] == "210.10"  # 110,000 + 101,100 - 1,000
     assert out["call: first entry -> last narrow exit"][1] == "189.00"
+    assert out["call: last teams exit -> last narrow exit"][1] == "-21.10"  # 190,000 - 211,100
+    assert out["narrow CTA beside teams: entry -> exit"][1] == "85.00" and "narrow CTA after teams: entry -> exit" not in out
     assert out["CTA: entry -> team 0 first tile landed"][1] == "3.00"
     assert out["CTA: team 1 loop end - team 0 loop end"][1] == "-2.00"
     gaps = out["SM: one CTA's exit -> the next one's entry"]
