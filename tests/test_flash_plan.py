@@ -65,7 +65,7 @@ def plan(tmp_path_factory):
 TARGETS = {
     (1, 65, 8, 32833, 132): (9, 15, 8),     # 8 full tiles x 15 + 8 narrow CTAs = 128: one wave
     (1, 65, 8, 131137, 132): (9, 31, 16),
-    (4, 65, 8, 32833, 132): (9, 4, 47),     # 128 full CTAs in one wave; 188 short narrow ones on the 4 SMs left, then all
+    (4, 65, 8, 32833, 132): (9, 4, 48),     # 128 full CTAs in one wave; 192 short narrow ones on the 4 SMs left, then all
     (16, 33, 8, 8225, 132): (5, 2, 10),     # the same: 128 + 160 (v16 to v28: 7 splits, 448 + 64 CTAs in 4 waves)
     (1, 17, 8, 32785, 132): (3, 52, 26),
     (1, 129, 8, 32897, 132): (17, 8, 4),    # 16 x 8 + 4 = 132: one wave (v13 took two at 15 splits)

@@ -25,6 +25,11 @@ constexpr int kMaxSplits = 128;  // the combine kernel's weights hold this many 
 // A narrow tile's time over a full tile's: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow CTA over two
 // splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
 constexpr double kNarrowTileCost = 0.5;
+// The same for a narrow CTA that starts after the full-tile kernel: measured 1.06-1.07 (the v29 timeline: at B16 a wave
+// of 132 narrow CTAs of 25.7 tiles took 54.8 us after the last full CTA, at B4 128 of 21.8 tiles 48.0 us; NOTES.md, flash
+// v29). Beside the full CTAs a narrow CTA reads KV that they read too, from L2; after them a wave of narrow CTAs reads it
+// all from memory at once.
+constexpr double kNarrowColdTileCost = 1.05;
 
 struct FlashSplitPlan {
   int num_m_tiles;    // ceil(max_qlen * heads / 64)
@@ -32,11 +37,13 @@ struct FlashSplitPlan {
   int narrow_splits;  // KV splits of a request's narrow last row tile, cut on their own; 0: no narrow kernel
 };
 
-// The model's time, in KV tiles, of a launch whose full-tile CTAs all take `full_cta` and narrow CTAs `narrow_cta`.
-// One CTA per SM. The full-tile CTAs run in waves; the narrow kernel is launched behind them programmatically, so its
-// CTAs start once every full-tile CTA has started: on the SMs the last full wave leaves free from that wave's start,
-// then on the rest as that wave ends (list scheduling of equal jobs on two groups of SMs, in closed form).
-inline double flash_launch_time(long full_ctas, double full_cta, long narrow_ctas, double narrow_cta, int sm_count) {
+// The model's time, in KV tiles, of a launch whose full-tile CTAs all take `full_cta` and narrow CTAs `narrow_cta`
+// (`narrow_cold_cta` once the full-tile kernel has ended). One CTA per SM. The full-tile CTAs run in waves; the narrow
+// kernel is launched behind them programmatically, so its CTAs start once every full-tile CTA has started: on the SMs the
+// last full wave leaves, from that wave's start, then on every SM as that wave ends (list scheduling of equal jobs on two
+// groups of SMs, in closed form).
+inline double flash_launch_time(long full_ctas, double full_cta, long narrow_ctas, double narrow_cta,
+                                double narrow_cold_cta, int sm_count) {
   const long waves = (full_ctas + sm_count - 1) / sm_count;
   const long last_wave = full_ctas - (waves - 1) * sm_count;  // CTAs of the last full wave (sm_count if none)
   const double t1 = (double)waves * full_cta;                // when the full-tile kernel ends
@@ -52,13 +59,14 @@ inline double flash_launch_time(long full_ctas, double full_cta, long narrow_cta
     rest -= early * before;
     delta = t0 + (double)before * narrow_cta - t1;
   }
-  // from t1 every SM: each period the late SMs start at t1 + j narrow_cta, the early ones delta after them
+  // from t1 every SM: each period the late SMs start at t1 + j narrow_cold_cta, the early ones delta after them
   const long periods = (rest - 1) / sm_count, last = rest - periods * sm_count;
-  return t1 + (double)periods * narrow_cta + (last > late ? delta : 0.0) + narrow_cta;
+  return t1 + (double)periods * narrow_cold_cta + (last > late ? delta : 0.0) + narrow_cold_cta;
 }
 
 // A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q load, the 128 KB fp32 partial
-// and its share of the combine). A narrow tile is charged kNarrowTileCost of a full one. The plan counts the largest
+// and its share of the combine). A narrow tile is charged kNarrowTileCost of a full one beside the full-tile kernel and
+// kNarrowColdTileCost after it. The plan counts the largest
 // request's row tiles (every request alike in the targets). flash_split_cost is the launch's time, in KV tiles, for s
 // splits of every full row tile and sn of every narrow one; infinity for a choice the planner may not take (fewer than
 // 256 tokens (8 tiles) per split, more splits than the combine holds, sn = 0 with a narrow tile or sn > 0 without one,
@@ -74,13 +82,15 @@ inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_le
   if (narrow ? sn < 1 || sn > max_splits : sn != 0) return HUGE_VAL;
   const double full_cta = tiles / s + 6.0;
   const double narrow_cta = narrow ? kNarrowTileCost * tiles / sn + 6.0 : 0.0;
-  return flash_launch_time((long)batch * full * s, full_cta, (long)batch * narrow * sn, narrow_cta, sm_count);
+  const double narrow_cold_cta = narrow ? kNarrowColdTileCost * tiles / sn + 6.0 : 0.0;
+  return flash_launch_time((long)batch * full * s, full_cta, (long)batch * narrow * sn, narrow_cta, narrow_cold_cta,
+                           sm_count);
 }
 
 // Calls visit(s, sn, cost) for every choice (s full splits, sn narrow ones) whose cost may be at most `bound`, in
 // order of s, then sn; the others are ruled out by bounds without their cost: the full tiles' end (t1), a narrow CTA's
 // time after the first narrow start, which falls with sn, and the narrow work over the SMs that can take it, which
-// grows with sn. So a call weighs tens of choices, not 128 x 128 (the planner runs on every flash call).
+// grows with sn (both at the cost beside the full tiles, the lesser). So a call weighs tens of choices, not 128 x 128 (the planner runs on every flash call).
 template <typename Visit>
 inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, double bound,
                                 Visit&& visit) {
@@ -93,7 +103,7 @@ inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_l
   for (int s = 1; s <= (full ? max_splits : 1); ++s) {
     const long full_ctas = (long)batch * full * s;
     const double full_cta = tiles / s + 6.0;
-    const double t1 = flash_launch_time(full_ctas, full_cta, 0, 0.0, sm_count);
+    const double t1 = flash_launch_time(full_ctas, full_cta, 0, 0.0, 0.0, sm_count);
     if (t1 > bound) continue;
     if (!narrow) {
       visit(s, 0, t1);
