@@ -66,11 +66,11 @@ inline double flash_launch_time(long full_ctas, double full_cta, long narrow_cta
 
 // A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q load, the 128 KB fp32 partial
 // and its share of the combine). A narrow tile is charged kNarrowTileCost of a full one beside the full-tile kernel and
-// kNarrowColdTileCost after it. The plan counts the largest
-// request's row tiles (every request alike in the targets). flash_split_cost is the launch's time, in KV tiles, for s
-// splits of every full row tile and sn of every narrow one; infinity for a choice the planner may not take (fewer than
-// 256 tokens (8 tiles) per split, more splits than the combine holds, sn = 0 with a narrow tile or sn > 0 without one,
-// s > 1 without a full tile). kdtree_flash_split_cost reports it.
+// kNarrowColdTileCost after it. The plan counts the largest request's row tiles (every request alike in the targets).
+// flash_split_cost is the launch's time, in KV tiles, for s splits of every full row tile and sn of every narrow one;
+// infinity for a choice the planner may not take (fewer than 256 tokens (8 tiles) per split, more splits than the
+// combine holds, sn = 0 with a narrow tile or sn > 0 without one, s > 1 without a full tile). kdtree_flash_split_cost
+// reports it.
 inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, int s, int sn) {
   const int num_m_tiles = (max_qlen * heads + kBlockM - 1) / kBlockM;
   const double tiles = (double)max_kv_len / kBlockN;
@@ -90,7 +90,8 @@ inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_le
 // Calls visit(s, sn, cost) for every choice (s full splits, sn narrow ones) whose cost may be at most `bound`, in
 // order of s, then sn; the others are ruled out by bounds without their cost: the full tiles' end (t1), a narrow CTA's
 // time after the first narrow start, which falls with sn, and the narrow work over the SMs that can take it, which
-// grows with sn (both at the cost beside the full tiles, the lesser). So a call weighs tens of choices, not 128 x 128 (the planner runs on every flash call).
+// grows with sn (both at the cost beside the full tiles, the lesser). So a call weighs tens of choices, not 128 x 129
+// (the planner runs on every flash call).
 template <typename Visit>
 inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, double bound,
                                 Visit&& visit) {
