@@ -229,8 +229,8 @@ int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int por
 
 // The flash call's plan for a launch's shape bounds (batch, total_q, num_heads, max_qlen, max_kv_len: as in
 // VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
-// launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones (0: no narrow kernel), the
-// combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
+// launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones (0: no narrow
+// kernel), the combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
 int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
                       int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits, int* combine_groups,
                       size_t* workspace_bytes) {
@@ -253,8 +253,8 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
 
 // The planner's model cost, in KV tiles, of one choice for the same shape bounds: `splits` KV splits of every full row
 // tile and `narrow_splits` of every narrow one (0 where there is no narrow tile); +infinity for a choice the planner
-// may not take. The
-// plan is the cheapest choice (kdtree_flash_plan); this says by how much (`kdev plan --costs`). Needs no GPU.
+// may not take. The plan is the cheapest choice (kdtree_flash_plan); this says by how much (`kdev plan --costs`). Needs
+// no GPU.
 int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
                             int splits, int narrow_splits, double* cost) {
   g_last_error[0] = '\0';

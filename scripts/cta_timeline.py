@@ -7,8 +7,8 @@ With the probe applied (build it with `kdev build --kernels <patched kernels tre
 of the narrow kernel writes one record of %globaltimer stamps to a device buffer, which the library's
 kdtree_cta_probe_read copies out: the teams kernel's entry, ring ready, each team's first landed tile, loop end and
 stores issued, and its exit; the narrow kernel's entry and exit (its CTAs apart by whether they start before the teams
-kernel's last exit, beside CTAs that read the same KV, or after it). The first form runs `--calls` flash calls back to back at
-one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
+kernel's last exit, beside CTAs that read the same KV, or after it). The first form runs `--calls` flash calls back to
+back at one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
 Every CTA runs once per call and the calls one after another, so a CTA (kernel and blockIdx) seen again starts a new
 call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap between
 one CTA's exit and the next one's entry on the same SM.

@@ -64,8 +64,8 @@ namespace kdtree {
 // Internal launchers (capi.cu validates before calling them).
 cudaError_t launch_verify_attn_naive(const VerifyAttnParams& p, cudaStream_t stream);
 struct FlashPlan {
-  int num_m_tiles;  // ceil(max_qlen * num_heads / 64)
-  int num_splits;   // KV splits per (request, row tile)
+  int num_m_tiles;    // ceil(max_qlen * num_heads / 64)
+  int num_splits;     // KV splits per (request, full row tile)
   int narrow_splits;  // KV splits of a request's narrow last row tile (<= 16 rows); 0: no narrow kernel
   size_t workspace_bytes;
 };
