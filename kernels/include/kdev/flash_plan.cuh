@@ -64,6 +64,26 @@ inline double flash_launch_time(long full_ctas, double full_cta, long narrow_cta
   return t1 + (double)periods * narrow_cold_cta + (last > late ? delta : 0.0) + narrow_cold_cta;
 }
 
+// A launch's bounds in the planner's terms: the largest request's row tiles, how many are full and whether the last is
+// narrow (<= kNarrowRows rows), its KV tiles, and the most splits a KV range may take (256 tokens each at least, and
+// what the combine holds).
+struct FlashShape {
+  int num_m_tiles;
+  long full, narrow;
+  double tiles;
+  int max_splits;
+};
+inline FlashShape flash_shape(int max_qlen, int heads, int max_kv_len) {
+  FlashShape f{};
+  f.num_m_tiles = (max_qlen * heads + kBlockM - 1) / kBlockM;
+  f.narrow = max_qlen * heads - (f.num_m_tiles - 1) * kBlockM <= kNarrowRows ? 1 : 0;
+  f.full = f.num_m_tiles - f.narrow;
+  f.tiles = (double)max_kv_len / kBlockN;
+  const int by_len = (max_kv_len + 255) / 256;
+  f.max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
+  return f;
+}
+
 // A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q load, the 128 KB fp32 partial
 // and its share of the combine). A narrow tile is charged kNarrowTileCost of a full one beside the full-tile kernel and
 // kNarrowColdTileCost after it. The plan counts the largest request's row tiles (every request alike in the targets).
@@ -72,12 +92,7 @@ inline double flash_launch_time(long full_ctas, double full_cta, long narrow_cta
 // combine holds, sn = 0 with a narrow tile or sn > 0 without one, s > 1 without a full tile). kdtree_flash_split_cost
 // reports it.
 inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, int s, int sn) {
-  const int num_m_tiles = (max_qlen * heads + kBlockM - 1) / kBlockM;
-  const double tiles = (double)max_kv_len / kBlockN;
-  const int last_rows = max_qlen * heads - (num_m_tiles - 1) * kBlockM;
-  const long narrow = last_rows <= kNarrowRows ? 1 : 0, full = num_m_tiles - narrow;
-  const int by_len = (max_kv_len + 255) / 256;
-  const int max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
+  const auto [num_m_tiles, full, narrow, tiles, max_splits] = flash_shape(max_qlen, heads, max_kv_len);
   if (s < 1 || s > max_splits || (full == 0 && s > 1)) return HUGE_VAL;
   if (narrow ? sn < 1 || sn > max_splits : sn != 0) return HUGE_VAL;
   const double full_cta = tiles / s + 6.0;
@@ -95,12 +110,7 @@ inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_le
 template <typename Visit>
 inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, double bound,
                                 Visit&& visit) {
-  const int num_m_tiles = (max_qlen * heads + kBlockM - 1) / kBlockM;
-  const int last_rows = max_qlen * heads - (num_m_tiles - 1) * kBlockM;
-  const long narrow = last_rows <= kNarrowRows ? 1 : 0, full = num_m_tiles - narrow;
-  const double tiles = (double)max_kv_len / kBlockN;
-  const int by_len = (max_kv_len + 255) / 256;
-  const int max_splits = by_len < kMaxSplits ? by_len : kMaxSplits;
+  const auto [num_m_tiles, full, narrow, tiles, max_splits] = flash_shape(max_qlen, heads, max_kv_len);
   for (int s = 1; s <= (full ? max_splits : 1); ++s) {
     const long full_ctas = (long)batch * full * s;
     const double full_cta = tiles / s + 6.0;
@@ -133,10 +143,10 @@ inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_l
 // tiles by half the full tiles' count, the choice v16 to v28 made. (v2 used waves / s + 0.01 (s - 1), which
 // under-split; NOTES.md.)
 inline FlashSplitPlan plan_flash_splits(int batch, int max_qlen, int heads, int max_kv_len, int sm_count) {
+  const FlashShape shape = flash_shape(max_qlen, heads, max_kv_len);
+  const bool narrow = shape.narrow != 0;
   FlashSplitPlan plan{};
-  plan.num_m_tiles = (max_qlen * heads + kBlockM - 1) / kBlockM;
-  const int last_rows = max_qlen * heads - (plan.num_m_tiles - 1) * kBlockM;
-  const bool narrow = last_rows <= kNarrowRows;
+  plan.num_m_tiles = shape.num_m_tiles;
   double least = HUGE_VAL;
   for (int s = 1; s <= kMaxSplits; ++s) {
     const double cost = flash_split_cost(batch, max_qlen, heads, max_kv_len, sm_count, s, narrow ? (s + 1) / 2 : 0);
