@@ -3,15 +3,17 @@
 usage: python3 scripts/cta_timeline.py --library LIB --shape B=16,L=8192,N=32,H=8 [--calls 30] [--save FILE.npy]
        python3 scripts/cta_timeline.py --records FILE.npy
 
-With the probe applied (build it with `kdev build --kernels <patched kernels tree>`), every CTA of the teams kernel and
-of the narrow kernel writes one record of %globaltimer stamps to a device buffer, which the library's
-kdtree_cta_probe_read copies out: the teams kernel's entry, ring ready, each team's first landed tile, loop end and
-stores issued, and its exit; the narrow kernel's entry and exit (its CTAs apart by whether they start before the teams
-kernel's last exit, beside CTAs that read the same KV, or after it). The first form runs `--calls` flash calls back to
+With the probe applied (build it with `kdev build --kernels <patched kernels tree>`), every CTA of the teams kernel, of
+the narrow kernel and of the combine kernel (those that merge a row) writes one record of %globaltimer stamps to a
+device buffer, which the library's kdtree_cta_probe_read copies out: the teams kernel's entry, ring ready, each team's
+first landed tile, loop end and stores issued, and its exit; the narrow kernel's entry and exit (its CTAs apart by
+whether they start before the teams kernel's last exit, beside CTAs that read the same KV, or after it); the combine
+kernel's entry, the release of its wait for the kernels before it, and its exit (what a call spends after its last
+tile). The first form runs `--calls` flash calls back to
 back at one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
 Every CTA runs once per call and the calls one after another, so a CTA (kernel and blockIdx) seen again starts a new
-call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap between
-one CTA's exit and the next one's entry on the same SM.
+call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap
+between one CTA's exit and the next one's entry on the same SM (teams and narrow CTAs: one at a time per SM).
 Exit codes: 0 summary printed, 1 no records (was the probe applied?), 2 bad arguments or records, 3 no library or GPU.
 """
 import argparse
@@ -25,6 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kdev package of this tree
 
 RECORD_WORDS = 11  # kind | smid << 8, blockIdx, 9 stamps
+PROBE_RECORDS = 1 << 18  # the probe's device buffer (kProbeRecords)
+STAMPS = {0: 9, 1: 2, 2: 3}  # per kind: teams, narrow, combine
 
 
 def _stats(values: list[int]) -> str:
@@ -38,8 +42,10 @@ def summarise(records: np.ndarray) -> list[str]:
     rows = []
     for r in records.astype(np.int64).tolist():
         kind, sm = r[0] & 0xFF, r[0] >> 8
-        stamps = r[2:] if kind == 0 else r[2:4]
-        rows.append((kind, sm, stamps[0], stamps[-1] if kind == 1 else stamps[8], stamps, r[1]))
+        if kind not in STAMPS:
+            raise ValueError(f"a record of kind {kind}: not a probe record")
+        stamps = r[2:2 + STAMPS[kind]]
+        rows.append((kind, sm, stamps[0], stamps[-1], stamps, r[1]))
     rows.sort(key=lambda x: x[2])
     # every CTA runs once per call and the calls one after another: a CTA (kernel, blockIdx) seen again starts a call
     calls, cur, seen = [], [], set()
@@ -51,13 +57,15 @@ def summarise(records: np.ndarray) -> list[str]:
         cur.append(row)
         seen.add(key)
     calls.append(cur)
-    n_full = sum(1 for r in rows if r[0] == 0)
-    out = [f"{len(calls)} calls, {n_full} teams-kernel CTAs, {len(rows) - n_full} narrow CTAs"]
+    n = collections.Counter(r[0] for r in rows)
+    out = [f"{len(calls)} calls, {n[0]} teams-kernel CTAs, {n[1]} narrow CTAs" +
+           (f", {n[2]} combine CTAs" if n[2] else "")]
     per = collections.defaultdict(list)
     for call in calls[1:-1]:
         t0 = min(r[2] for r in call)
         full = [r for r in call if r[0] == 0]
         narrow = [r for r in call if r[0] == 1]
+        combine = [r for r in call if r[0] == 2]
         if full:
             per["call: first entry -> last teams-kernel exit"].append(max(r[3] for r in full) - t0)
             ends = sorted(r[3] - t0 for r in full)
@@ -71,6 +79,13 @@ def summarise(records: np.ndarray) -> list[str]:
             for r in narrow:
                 side = "beside teams" if r[2] < full_end else "after teams"
                 per[f"narrow CTA {side}: entry -> exit"].append(r[3] - r[2])
+        if combine and (full or narrow):
+            # the combine waits for the kernels before it; what follows their last exit (tiles end) is the call's tail
+            tiles_end = max(r[3] for r in full + narrow)
+            per["call: tiles end -> first combine release"].append(min(r[4][1] for r in combine) - tiles_end)
+            per["call: tiles end -> last combine exit"].append(max(r[3] for r in combine) - tiles_end)
+            for r in combine:
+                per["combine CTA: release -> exit"].append(r[3] - r[4][1])
         for _, _, _, _, (entry, ready, land0, land1, loop0, loop1, st0, st1, exit_), _ in full:
             per["CTA: entry -> ring ready"].append(ready - entry)
             per["CTA: entry -> team 0 first tile landed"].append(land0 - entry)
@@ -81,7 +96,7 @@ def summarise(records: np.ndarray) -> list[str]:
             per["CTA: team 1 loop end -> stores issued"].append(st1 - loop1)
             per["CTA: entry -> exit"].append(exit_ - entry)
         by_sm = collections.defaultdict(list)
-        for r in call:
+        for r in full + narrow:  # combine CTAs share SMs several at a time
             by_sm[r[1]].append(r)
         for seq in by_sm.values():
             seq.sort(key=lambda r: r[2])
@@ -109,7 +124,7 @@ def _read_on_gpu(library: str, shape: str, calls: int) -> np.ndarray:
     (s,) = bench.expand(bench.load_bench(), None, [shape], None)
     x, _, _ = bench.make_inputs(s, 0, torch.device("cuda"))
     runner = bench.AbiRunner(lib, "flash", x)
-    buf = np.zeros((1 << 16, RECORD_WORDS), dtype=np.uint64)
+    buf = np.zeros((PROBE_RECORDS, RECORD_WORDS), dtype=np.uint64)
     n = ctypes.c_int(0)
     read(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), buf.shape[0], ctypes.byref(n))  # drop earlier records
     for _ in range(calls):
@@ -147,7 +162,11 @@ def main(argv: list[str]) -> int:
     if records.ndim != 2 or records.shape[1] != RECORD_WORDS or len(records) == 0:
         print("no probe records (was the probe patch applied?)", file=sys.stderr)
         return 1
-    print("\n".join(summarise(records)))
+    try:
+        print("\n".join(summarise(records)))
+    except ValueError as e:
+        print(f"{a.records or a.library}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

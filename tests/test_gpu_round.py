@@ -240,12 +240,15 @@ def test_cta_timeline_splits_calls_and_times_each_interval(tmp_path):
             records.append([0 | sm << 8, x, e, e + 500, e + 3000, e + 2500, e + 99_000, e + 97_000, e + 101_000,
                             e + 100_000, e + 101_100])
         records.append([1 | 2 << 8, 0, t + 105_000, t + 190_000] + [0] * 7)
+        # two combine CTAs on SM 3, waiting from the start of the call until the tile kernels end
+        for x, release in ((0, 212_100), (1, 213_100)):
+            records.append([2 | 3 << 8, x, t + 2000, t + release, t + release + 4000] + [0] * 6)
     path = tmp_path / "records.npy"
     np.save(path, np.array(records, dtype=np.uint64))
     r = _cta_timeline("--records", path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "3 calls, 9 teams-kernel CTAs, 3 narrow CTAs"
+    assert lines[0] == "3 calls, 9 teams-kernel CTAs, 3 narrow CTAs, 6 combine CTAs"
     out = {line[:45].strip(): line[45:].split() for line in lines[1:]}
     assert out["call: first entry -> last teams-kernel exit"][1] == "210.10"  # 110,000 + 101,100 - 1,000
     assert out["call: first entry -> last narrow exit"][1] == "189.00"
@@ -255,6 +258,10 @@ def test_cta_timeline_splits_calls_and_times_each_interval(tmp_path):
     assert out["CTA: team 1 loop end - team 0 loop end"][1] == "-2.00"
     gaps = out["SM: one CTA's exit -> the next one's entry"]
     assert gaps[1] == "5.35" and gaps[-1] == "n=2"  # SM 1: 110,000 - 102,100 = 7.9 us; SM 2: 105,000 - 102,200
+    # the tile kernels end at 211,100 (the second teams CTA on SM 1)
+    assert out["call: tiles end -> first combine release"][1] == "1.00"
+    assert out["call: tiles end -> last combine exit"][1] == "6.00"
+    assert out["combine CTA: release -> exit"][1] == "4.00" and out["combine CTA: release -> exit"][-1] == "n=2"
 
 
 def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
@@ -268,6 +275,9 @@ def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
     np.save(path, np.zeros((0, 11), dtype=np.uint64))
     r = _cta_timeline("--records", path)
     assert r.returncode == 1 and "no probe records" in r.stderr
+    np.save(path, np.full((3, 11), 7, dtype=np.uint64))  # kind 7: not a record the probe writes
+    r = _cta_timeline("--records", path)
+    assert r.returncode == 2 and r.stderr.strip() == f"{path}: a record of kind 7: not a probe record"
 
 
 def _dry_round(tmp_path, args, compute_cap="", env=None):
