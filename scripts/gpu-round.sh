@@ -57,7 +57,8 @@
 # so nothing needs to be carried. A patch that does not apply to the tree is refused before anything runs.
 # --timeline B=16,L=8192,N=32,H=8 (repeatable): the working tree's kernels/ with variants/flash-v24-probe-timeline.patch
 # (every flash CTA records its %globaltimer stamps) built into a library of its own, and scripts/cta_timeline.py on it at
-# that shape: each CTA's ramp, tile loop and drain, and the gap between CTAs on an SM, into timeline-SHAPE.txt. A probe
+# that shape: each CTA's ramp, tile loop and drain, the gap between CTAs on an SM, and what the combine adds after the
+# last tile, into timeline-SHAPE.txt. A probe
 # patch that no longer applies to the tree is refused before anything runs.
 # --deploy-check ends the round with build (all archs) -> verify -> deploy-check, then edits a kernel and
 # runs deploy-check again (it must fail, naming the file); both reports go under $OUT.
