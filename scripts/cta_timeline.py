@@ -9,11 +9,11 @@ device buffer, which the library's kdtree_cta_probe_read copies out: the teams k
 first landed tile, loop end and stores issued, and its exit; the narrow kernel's entry and exit (its CTAs apart by
 whether they start before the teams kernel's last exit, beside CTAs that read the same KV, or after it); the combine
 kernel's entry, the release of its wait for the kernels before it, and its exit (what a call spends after its last
-tile). The first form runs `--calls` flash calls back to
-back at one bench shape on this GPU and reads the records (and saves them with --save); the second summarises saved records.
-Every CTA runs once per call and the calls one after another, so a CTA (kernel and blockIdx) seen again starts a new
-call; the first and last call are dropped. Printed: the median, p10 and p90 over CTAs (or calls) of each interval, and the gap
-between one CTA's exit and the next one's entry on the same SM (teams and narrow CTAs: one at a time per SM).
+tile). The first form runs `--calls` flash calls back to back at one bench shape on this GPU and reads the records (and
+saves them with --save); the second summarises saved records. Every CTA runs once per call and the calls one after
+another, so a CTA (kernel and blockIdx) seen again starts a new call; the first and last call are dropped. Printed: the
+median, p10 and p90 over CTAs (or calls) of each interval, and the gap between one CTA's exit and the next one's entry
+on the same SM (teams and narrow CTAs: one at a time per SM).
 Exit codes: 0 summary printed, 1 no records (was the probe applied?), 2 bad arguments or records, 3 no library or GPU.
 """
 import argparse
