@@ -92,6 +92,9 @@ class BenchConfig:
     # what the kernels are judged against (a shape's `target_us`, a sweep's `min_naive_speedup`): reported, not gated
     targets_us: dict = field(default_factory=dict)  # shape name -> time to meet, µs
     min_naive_speedup: dict = field(default_factory=dict)  # shape name -> how many times faster than naive
+    # shape name -> the GPU (its configs/gpus.yaml name) its target_us is set for: a time on another GPU is reported
+    # against it as indicative only
+    target_gpu: dict = field(default_factory=dict)
 
 
 def _shape(r: _Reader, base: dict) -> tuple[Shape, float | None]:
@@ -138,11 +141,20 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
     backends = tuple(top.get("backends", list, ["flash", "naive", "torch-eager", "torch-sdpa"]))
     sw = top.sub("sweeps")
     top.done()
-    sweeps, sweep_backends, targets_us, min_speedup = {}, {}, {}, {}
+    sweeps, sweep_backends, targets_us, min_speedup, target_gpu = {}, {}, {}, {}, {}
+    gpus = None
     for name in list(sw.data):
         s = sw.sub(name)
         desc = s.get("description", str, "")
         speedup = s.get("min_naive_speedup", float, None, lambda v: v > 0, "must be > 0")
+        set_for = s.get("target_gpu", str, None)
+        if set_for is not None:
+            from kdev.config import load_gpus
+
+            gpus = gpus or load_gpus()
+            if set_for not in gpus:
+                raise s.fail("target_gpu", f"{set_for!r} is not in configs/gpus.yaml (have: {', '.join(gpus)})")
+            set_for = gpus[set_for].name
         if "backends" in s.data:
             sweep_backends[name] = tuple(s.get("backends", list))
         shapes = []
@@ -170,7 +182,12 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
             if target is not None:
                 if targets_us.get(shape.name, target) != target:
                     raise BadInput(f"{path}: {where}: {shape.name} has target_us {targets_us[shape.name]:g} elsewhere")
+                if target_gpu.get(shape.name, set_for) != set_for:
+                    raise BadInput(f"{path}: {where}: {shape.name} has a target set for {target_gpu[shape.name]} "
+                                   "elsewhere")
                 targets_us[shape.name] = target
+                if set_for is not None:
+                    target_gpu[shape.name] = set_for
         s.done()
         if not shapes:
             raise BadInput(f"{path}: sweeps.{name}: needs axes or shapes")
@@ -183,7 +200,7 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
         bad = [b for b in bks if b not in known]
         if bad:
             raise BadInput(f"{path}: {name}: unknown backend {bad[0]!r} (have {', '.join(sorted(known))})")
-    return BenchConfig(method, backends, sweeps, sweep_backends, targets_us, min_speedup)
+    return BenchConfig(method, backends, sweeps, sweep_backends, targets_us, min_speedup, target_gpu)
 
 
 def parse_assignments(items: list[str], what: str) -> dict:
@@ -862,17 +879,22 @@ def speedups(results: list[dict], reference: str = "flash") -> dict:
     return out
 
 
-def judge_targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
+def judge_targets(results: list[dict], cfg: BenchConfig, gpu_name: str | None = None) -> list[dict]:
     """Per timed backend but naive, at the shapes of `results` that configs name a target for: which shapes its
     median meets (<= target_us) and where it is at least min_naive_speedup times faster than naive. One row per
     backend: {backend, met, missed: [{shape, median_us, target_us}], fast_enough, too_slow: [{shape, speedup,
-    wanted}], wanted_speedups}; none where the results hold no judged shape."""
+    wanted}], wanted_speedups, targets_set_for, indicative}; none where the results hold no judged shape.
+
+    gpu_name: the GPU the results were timed on. A target set for another GPU (a sweep's target_gpu) is still
+    compared, but the row says `indicative`: a time from an H100 is not the H200's. The speedup over naive is a
+    ratio within one run, judged on any GPU."""
     timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
     rows = []
     for backend in dict.fromkeys(r["backend"] for r in results):
         if backend == "naive":
             continue
-        row = {"backend": backend, "met": [], "missed": [], "fast_enough": [], "too_slow": [], "wanted_speedups": []}
+        row = {"backend": backend, "met": [], "missed": [], "fast_enough": [], "too_slow": [], "wanted_speedups": [],
+               "targets_set_for": [], "indicative": False}
         for shape in dict.fromkeys(r["shape"] for r in results if r["backend"] == backend):
             t = timed.get((shape, backend))
             target = cfg.targets_us.get(shape)
@@ -881,6 +903,10 @@ def judge_targets(results: list[dict], cfg: BenchConfig) -> list[dict]:
                     row["met"].append(shape)
                 else:
                     row["missed"].append({"shape": shape, "median_us": t, "target_us": target})
+                set_for = cfg.target_gpu.get(shape)
+                if set_for is not None and set_for not in row["targets_set_for"]:
+                    row["targets_set_for"].append(set_for)
+                row["indicative"] |= set_for is not None and set_for != gpu_name
             wanted, naive = cfg.min_naive_speedup.get(shape), timed.get((shape, "naive"))
             if wanted is not None and naive is not None:
                 if wanted not in row["wanted_speedups"]:

@@ -462,7 +462,8 @@ def bench_cmd(
             _require_reference(normalize_by, results, str(from_file))
         verdicts = bench.baseline_verdicts(results, base_results, normalize_by=normalize_by)
         doc["baseline"] = {"file": str(baseline), "normalized_by": normalize_by, "verdicts": verdicts}
-    judged = bench.judge_targets(results, cfg)  # the configs' targets, also for a stored result (--from)
+    # the configs' targets, also for a stored result (--from); on a GPU other than theirs, indicative only
+    judged = bench.judge_targets(results, cfg, doc["provenance"]["gpu"]["name"])
     if judged:
         doc["targets"] = judged
     _write_json_file(out_json, doc)
@@ -509,7 +510,7 @@ def bench_cmd(
             plan_s += "; CUDA-graph replays"
         report.show(report.table(f"bench {doc.get('sweep', '')} on {prov['gpu']['name']} ({ceil_s}{plan_s})", cols,
                                  rows, {"left": ("shape", "backend")}))
-        for line in _target_lines(judged):
+        for line in _target_lines(judged, prov["gpu"]["name"]):
             report.show(line)
         for name, other in (prov.get("libraries") or {}).items():  # KERNEL@REF backends: which build ran
             report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
@@ -532,8 +533,9 @@ def _short_shape(name: str) -> str:
     return " ".join(p for p in parts if p != "p64")
 
 
-def _target_lines(judged: list[dict]) -> list[str]:
-    """One line per judged backend: the first targets it meets, and its speedup over naive where it falls short."""
+def _target_lines(judged: list[dict], gpu_name: str) -> list[str]:
+    """One line per judged backend: the first targets it meets, and its speedup over naive where it falls short. Targets
+    set for another GPU than the run's are compared in yellow and said to be indicative."""
     lines = []
     for j in judged:
         n = len(j["met"]) + len(j["missed"])
@@ -541,9 +543,11 @@ def _target_lines(judged: list[dict]) -> list[str]:
             missed = ", ".join(f"{_short_shape(m['shape'])} {m['median_us']:.1f} > {m['target_us']:g} µs"
                                if m["median_us"] is not None else f"{_short_shape(m['shape'])} not timed"
                                for m in j["missed"])
-            mark = "[green]" if not j["missed"] else "[red]"
+            mark = "[yellow]" if j.get("indicative") else "[green]" if not j["missed"] else "[red]"
+            other = (f" (targets set for {' / '.join(j['targets_set_for'])}, timed on {gpu_name}: indicative only)"
+                     if j.get("indicative") else "")
             lines.append(f"{j['backend']}: first targets met at {mark}{len(j['met'])} of {n}[/] shapes"
-                         + (f"; missed: {missed}" if missed else ""))
+                         + (f"; missed: {missed}" if missed else "") + other)
         n = len(j["fast_enough"]) + len(j["too_slow"])
         if n:
             short = ", ".join(f"{_short_shape(t['shape'])} {t['speedup']:.1f}x" if t["speedup"] else

@@ -344,11 +344,16 @@ def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(wr
     targets = {s.name: cfg.targets_us[s.name] for s in bench.expand(cfg, "targets", None, None)}
     assert list(targets.values()) == [116, 466, 466, 238, 30, 232, 930]
     assert set(cfg.min_naive_speedup.values()) == {30} and set(cfg.min_naive_speedup) == set(targets)
+    assert cfg.target_gpu == {name: "NVIDIA H200" for name in targets}  # the issue's table is the H200's
     for text, problem in [
         ("sweeps:\n  x:\n    shapes: [{batch: 1, target_us: -1}]\n", "target_us: must be > 0"),
         ("sweeps:\n  x:\n    min_naive_speedup: 0\n    shapes: [{batch: 1}]\n", "min_naive_speedup: must be > 0"),
         ("sweeps:\n  x:\n    shapes: [{batch: 1, target_us: 5}]\n  y:\n    shapes: [{batch: 1, target_us: 6}]\n",
          "has target_us 5 elsewhere"),
+        ("sweeps:\n  x:\n    target_gpu: a100\n    shapes: [{batch: 1, target_us: 5}]\n",
+         r"sweeps.x.target_gpu: 'a100' is not in configs/gpus.yaml \(have: h200, h100, rtx-pro-6000\)"),
+        ("sweeps:\n  x:\n    target_gpu: h200\n    shapes: [{batch: 1, target_us: 5}]\n  y:\n    target_gpu: h100\n"
+         "    shapes: [{batch: 1, target_us: 5}]\n", "has a target set for NVIDIA H200 elsewhere"),
     ]:
         with pytest.raises(BadInput, match=problem):
             bench.load_bench(write_yaml("b.yaml", text))
@@ -378,6 +383,26 @@ def test_judging_the_targets_names_what_is_met_missed_and_too_slow_against_naive
     assert p["met"] == [] and p["missed"][0]["median_us"] is None and p["too_slow"][0]["speedup"] is None
 
 
+def test_targets_set_for_one_gpu_are_indicative_on_another(write_yaml):
+    cfg = bench.load_bench(write_yaml("b.yaml", """
+        sweeps:
+          t:
+            target_gpu: h200
+            min_naive_speedup: 30
+            shapes: [{batch: 1, target_us: 100}]
+          u:
+            shapes: [{batch: 2, target_us: 200}]
+        """))
+    (a,), (b,) = (bench.expand(cfg, name, None, None) for name in ("t", "u"))
+    results = [_timed(a.name, "naive", 3100), _timed(a.name, "flash", 99)]
+    here, there = (bench.judge_targets(results, cfg, gpu)[0] for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
+    assert here["targets_set_for"] == there["targets_set_for"] == ["NVIDIA H200"]
+    assert not here["indicative"] and there["indicative"] and there["met"] == here["met"] == [a.name]
+    # a target that names no GPU is judged on any
+    anywhere = bench.judge_targets([_timed(b.name, "flash", 250)], cfg, "NVIDIA H100 80GB HBM3")[0]
+    assert not anywhere["indicative"] and anywhere["targets_set_for"] == [] and anywhere["missed"][0]["shape"] == b.name
+
+
 def test_a_stored_targets_run_is_judged_against_the_issue_targets():
     """kdev bench --from on the committed v25 run: the table's verdict in two lines per kernel (no GPU)."""
     from kdev.config import REPO_ROOT
@@ -388,8 +413,24 @@ def test_a_stored_targets_run_is_judged_against_the_issue_targets():
     assert "flash-portable: first targets met at 0 of 7 shapes" in r.output
     assert "flash: first targets met at 3 of 7 shapes" in r.output and "B1 L32768 N16 H8 50.9 > 30 µs" in r.output
     assert "flash: at least 30x faster than naive at 6 of 7 shapes; short: B16 L8192 N32 H8 29.1x" in r.output
+    assert "indicative" not in r.output  # timed on the H200, the GPU the targets are set for
     doc = json.loads(CliRunner().invoke(app, ["bench", "--from", stored, "--json"]).stdout)
     assert {j["backend"]: len(j["met"]) for j in doc["targets"]} == {"flash-portable": 0, "flash": 3}
+    assert not any(j["indicative"] for j in doc["targets"])
+
+
+def test_a_stored_run_from_another_gpu_is_compared_to_the_targets_as_indicative(tmp_path):
+    from kdev.config import REPO_ROOT
+
+    doc = json.loads((REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json").read_text())
+    doc["provenance"]["gpu"]["name"] = "NVIDIA H100 80GB HBM3"
+    stored = tmp_path / "h100.json"
+    stored.write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "--from", str(stored)], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert ("flash: first targets met at 3 of 7 shapes" in r.output and "(targets set for NVIDIA H200, timed on NVIDIA "
+            "H100 80GB HBM3: indicative only)" in r.output)
+    assert "flash: at least 30x faster than naive at 6 of 7 shapes" in r.output  # a ratio in one run: judged anywhere
 
 
 def test_graph_replay_timing_is_a_method_setting_and_a_flag_and_a_stored_run_says_so(tmp_path, write_yaml):

@@ -55,6 +55,16 @@ def test_h200_plans_are_the_grids_measured_there(library):
     assert doc["largest_workspace"] == {"shape": "B1-L131072-N64-H8-p64", "bytes": workspace_bytes(31, 16, 1, 65 * 8)}
 
 
+def test_an_h100_plans_the_h200s_grids(library):
+    """The same chip (132 SMs, 227 KB per block): a round that lands on an H100 launches what the H200 does, so its
+    A/B ratios speak of the H200's grids; only the memory (and so the times) differ."""
+    h100 = kplan.resolve_gpu("h100")
+    assert (h100.arch, h100.sms, h100.flops) == ("sm_90", 132, None)  # no ceilings of its own measured yet
+    got = {p["shape"]: (p["splits"], p["full_ctas"], p["narrow_ctas"], p["waves"])
+           for p in kplan.plan(library, targets(), h100)["plans"]}
+    assert got == H200_TARGETS
+
+
 def workspace_bytes(splits: int, narrow_splits: int, batch: int, rows: int) -> int:
     """fp32 partial O and its lse per split: the full tiles' for every row (padded to 256 B), then the narrow tiles'
     for 16 rows per request; none for a part of one split."""
