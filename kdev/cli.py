@@ -5,6 +5,7 @@ the stage modules. Exit codes (DESIGN.md §5): 0 success, 1 a check failed, 2 ba
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 from typing import Optional
 
@@ -935,6 +936,13 @@ def all_cmd(
                                   for r in results], {"left": ("stage", "status")}))
     if code:
         raise typer.Exit(code)
+
+
+# The command list shows each command's first paragraph; Typer's rich help would keep the docstring's line breaks
+# there (it joins them only in a command's own --help), so the list gets them joined.
+for _info in app.registered_commands:
+    if _info.short_help is None and _info.callback.__doc__:
+        _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
 
 
 def main():

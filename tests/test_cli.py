@@ -54,3 +54,12 @@ def test_progress_without_a_terminal_prints_a_line_per_tenth(monkeypatch, capsys
     assert len(lines) == 10
     assert lines[0].startswith("fuzz: 2/20 after") and lines[-1].startswith("fuzz: 20/20 after")
     assert "(case-19)" in lines[-1]
+
+
+def test_the_command_list_shows_each_commands_first_paragraph_as_one_flowing_text():
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0
+    # one row per command at this width: the docstrings' line breaks are not carried into the list
+    assert "the machine code that changed, both on the golden vectors (and where they give the same bits)" in r.output
+    for name in ("gen-refs", "build", "verify", "bench", "ab", "plan", "sass", "deploy-check", "all"):
+        assert sum(line.split("│")[1].split()[:1] == [name] for line in r.output.splitlines() if "│" in line) == 1
