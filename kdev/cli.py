@@ -377,7 +377,8 @@ def bench_cmd(
     # the baseline and its reference backend are checked before anything is measured
     if normalize_by and not baseline:
         raise typer.BadParameter("needs --baseline", param_hint="--normalize-by")
-    base_results = bench.load_results(baseline)["results"] if baseline else None
+    base_doc = bench.load_results(baseline) if baseline else None
+    base_results = base_doc["results"] if base_doc else None
     if base_results is not None:
         _require_reference(normalize_by, base_results, str(baseline))
     cfg = bench.load_bench(config)
@@ -385,6 +386,8 @@ def bench_cmd(
         cfg = dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, graph=True))
     if from_file:
         doc = bench.load_results(from_file)
+        if base_doc:
+            _require_same_gpu(base_doc, doc["provenance"]["gpu"]["name"], str(baseline), str(from_file))
     else:
         from kdev import abi, gpu
 
@@ -417,6 +420,8 @@ def bench_cmd(
             raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
                                      param_hint="--normalize-by")
         gpu.require_cuda("kdev bench")
+        if base_doc:
+            _require_same_gpu(base_doc, gpu.current_gpu().name, str(baseline), "this run")
         lib = abi.load_library(library, report.info)
         if plan:
             lib.plan_as(plan.sms)
@@ -558,6 +563,16 @@ def _target_lines(judged: list[dict], gpu_name: str) -> list[str]:
             lines.append(f"{j['backend']}: at least {wanted}x faster than naive at {mark}{len(j['fast_enough'])} of "
                          f"{n}[/] shapes" + (f"; short: {short}" if short else ""))
     return lines
+
+
+def _require_same_gpu(base_doc: dict, gpu_name: str, base_where: str, where: str) -> None:
+    """A verdict against a baseline needs both timed on the same kind of GPU: an H100's times against an H200's would
+    read its slower memory as a regression (and --normalize-by does not cancel that: the reference's balance moves
+    too)."""
+    base_gpu = base_doc["provenance"]["gpu"]["name"]
+    if base_gpu != gpu_name:
+        raise BadInput(f"--baseline {base_where} was timed on {base_gpu}, {where} on {gpu_name}: a verdict needs the "
+                       "same GPU (time the baseline here, or compare builds in one run with kdev ab)")
 
 
 def _require_reference(normalize_by: Optional[str], results: list[dict], where: str) -> None:

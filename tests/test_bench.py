@@ -85,6 +85,13 @@ def test_baseline_regression_exits_1_and_plot_and_csv(tmp_path):
     r = runner.invoke(app, ["bench", "--from", str(slow), "--baseline", str(old), "--json"])
     assert r.exit_code == 1
     assert json.loads(r.stdout)["baseline"]["verdicts"][0]["verdict"] == "SLOW"
+    # a baseline timed on another GPU gives no verdict: an H100's slower memory is not a regression
+    h100 = _doc([_result("B1-L1024-N64-H8-p64", "flash", 150.0)])
+    h100["provenance"]["gpu"]["name"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
+    r = runner.invoke(app, ["bench", "--from", str(tmp_path / "h100.json"), "--baseline", str(old)])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert f"--baseline {old} was timed on NVIDIA H200, {tmp_path / 'h100.json'} on NVIDIA H100 80GB HBM3" in r.stderr
     pytest.importorskip("matplotlib")
     png = tmp_path / "t.png"
     r = runner.invoke(app, ["bench", "--from", str(new), "--plot", str(png), "--plot-metric", "roofline"])

@@ -169,3 +169,20 @@ def test_inner_loop_ceilings_are_below_the_peak_and_reject_a_bad_index(lib):
     assert [r["loop"] for r in one] == [names[3]] and one[0]["flops"] > 1e12
     with pytest.raises(BadInput, match="it has: 'regs 8w'"):
         bench.measure_inner_loops(lib, device, 0.0, only=["no such rung"])
+
+
+def test_a_baseline_from_another_gpu_is_refused_before_anything_is_timed(lib, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kdev import gpu
+    from kdev.cli import app
+
+    here = gpu.current_gpu().name
+    other = {"provenance": {"gpu": {"name": f"not {here}", "arch": "sm_90"}, "ceilings": None}, "sweep": "smoke",
+             "results": []}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    r = CliRunner().invoke(app, ["bench", "--shape", "B=1,L=64,N=4,H=8", "--backend", "naive", "--library",
+                                 str(lib.path), "--baseline", str(tmp_path / "other.json")])
+    assert r.exit_code == 2 and f"was timed on not {here}, this run on {here}" in r.stderr, r.output
