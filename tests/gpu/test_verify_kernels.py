@@ -193,6 +193,31 @@ def test_limits_t1025_and_h64(lib):
             _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel}/{spec.name}")
 
 
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_pages_past_4_gib_of_pool_give_the_same_bits(lib, page_size):
+    """A server's KV pool holds tens of GB. A request's pages at the pool's far end put its rows past 2^31 elements and
+    4 GiB of bytes from the pool's start: the offsets of the gather, of the naive kernel and of the tensor map's
+    coordinates (page size 64). The same case with its pages moved there gives every kernel the same bits as in a pool
+    of its own size; the rest of the big pool is NaN, so a wrong offset cannot pass."""
+    spec = config.CaseSpec("far-pages", (3000, 700), config.TreeSpec("ddtree", budget=64, depth=15, topk=64,
+                           vocab=32000), 8, page_size, int.from_bytes(os.urandom(4), "little"), "kimi-k2.6",
+                           config.DEFAULT_TOLERANCES)
+    case = vectors.generate_case(spec, device="cuda")
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    far = -(-(2**32 // (2 * config.QK_DIM) + 1) // page_size)  # the first page whose rows start past 4 GiB
+    pool = torch.full((far + x.kv_cache.shape[0], page_size, config.QK_DIM), float("nan"), dtype=torch.bfloat16,
+                      device="cuda")
+    pool[far:] = x.kv_cache
+    moved = abi.VerifyInputs(x.q, pool, (x.page_table + far).contiguous(), x.prefix_lens, x.q_indptr, x.tree_mask,
+                             x.scale)
+    for kernel in KERNELS:
+        near, near_lse = _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel} {spec}")
+        out, lse = lib.run(kernel, moved)
+        assert torch.equal(out.view(torch.int16), near.view(torch.int16)), f"{kernel}: other output bits, pages moved"
+        assert torch.equal(lse, near_lse), f"{kernel}: other lse bits with the pages moved past 4 GiB"
+    del pool
+
+
 def test_perturbed_output_is_caught(lib):
     suite, entry, t, x = _smoke_case(3)
     for kernel in KERNELS:
