@@ -181,10 +181,13 @@ def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes, kernel):
     _check_flash_twice(lib, spec, kernel)
 
 
-def test_limits_t1025_and_h64(lib):
+def test_limits_t1025_h64_and_a_256k_prefix(lib):
     for spec in [
         config.CaseSpec("t1025", (3000,), config.TreeSpec("random", nodes=1025), 8, 1, 77, "kimi-k2.6",
                         config.DEFAULT_TOLERANCES),
+        # the contract's longest prefix beside a short one: 8,192 KV tiles, on 132 SMs 31 splits in four waves
+        config.CaseSpec("l256k", (config.MAX_PREFIX, 100), config.TreeSpec("ddtree", budget=64, depth=15, topk=64,
+                        vocab=32000), 8, 64, 79, "kimi-k2.6", config.DEFAULT_TOLERANCES),
         config.CaseSpec("h64", (5000, 17), config.TreeSpec("ddtree", budget=128, depth=15, topk=128, vocab=32000),
                         64, 64, 78, "kimi-k2.6", config.DEFAULT_TOLERANCES),
     ]:
