@@ -107,8 +107,9 @@ def gen_refs(
         else:
             for p in problems:
                 report.error(p)
-            verdict = "[green]matches[/]" if not problems else f"[red]{len(problems)} file(s) differ[/]"
-            report.show(f"gen-refs --check {suite}: {len(spec.cases)} cases, {verdict} ({disk.path})")
+            verdict = (report.styled("matches", "green") if not problems
+                       else report.styled(f"{len(problems)} file(s) differ", "red"))
+            report.show(report.line(f"gen-refs --check {suite}: {len(spec.cases)} cases, ", verdict, f" ({disk.path})"))
         if problems:
             raise typer.Exit(EXIT_CHECK_FAILED)
         return
@@ -271,11 +272,11 @@ def verify_cmd(
             vs = "" if r.against == "golden" else f" vs {r.against}"
             if r.out is None:  # an error, or an exact-equality kernel
                 rows.append([r.case, r.kernel + vs, "-", "-", "-", r.error or r.note,
-                             "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
+                             _pass_fail(r.passed)])
                 continue
             rows.append([r.case, r.kernel + vs, report.fmt_float(r.out.max_abs), f"{r.out.cos_diff:.1e}",
                          report.fmt_float(r.lse.max_abs), r.token.label() + (", same bits" if r.note else ""),
-                         "[green]pass[/]" if r.passed else "[red]FAIL[/]"])
+                         _pass_fail(r.passed)])
         title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
         if plan_gpu:
             title += f", flash calls planned as for {plan_gpu.label}"
@@ -295,11 +296,19 @@ def verify_cmd(
         summary = ", ".join(f"{k}: {v['checks'] - v['failed']}/{v['checks']} passed"
                             + (f" ({v['bit_identical_to_first']} bit-identical to {next(iter(per))})"
                                if v.get("bit_identical_to_first") else "") for k, v in per.items())
-        verdict = "[green]PASS[/]" if run.passed else "[red]FAIL[/]"
         seed_note = f" (seed {run.fuzz_seed})" if run.fuzz_seed is not None else ""
-        report.show(f"{verdict} {summary}{seed_note}; ledger {run.ledger_path}")
+        report.show(report.line(_pass_fail(run.passed, "PASS"), f" {summary}{seed_note}; ledger {run.ledger_path}"))
     if not run.passed:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _pass_fail(passed: bool, word: str = "pass"):
+    return report.styled(word, "green") if passed else report.styled("FAIL", "red")
+
+
+def _verdict_mark(verdict: str):
+    """FAST, SLOW or SAME against a baseline, coloured."""
+    return report.styled(verdict, {"SLOW": "red", "FAST": "green"}.get(verdict, ""))
 
 
 def _worst_rows(results) -> list[list]:
@@ -310,7 +319,7 @@ def _worst_rows(results) -> list[list]:
     rows = []
     for name, rs in groups.items():
         failed = sum(not r.passed for r in rs)
-        verdict = "[green]pass[/]" if not failed else f"[red]FAIL {failed}[/]"
+        verdict = report.styled("pass", "green") if not failed else report.styled(f"FAIL {failed}", "red")
         with_out = [r for r in rs if r.out is not None]
         if not with_out:
             rows.append([name, "-", "-", "-", f"{len(rs)} checks exact", verdict])
@@ -494,11 +503,10 @@ def bench_cmd(
                         f"{r['floor_us']:.1f}" if r["floor_us"] else "-", pct, f"{x:.2f}x" if x else "-", "ok"]
             else:
                 row += ["-", "-", "-", f"{r['floor_us']:.1f}" if r["floor_us"] else "-", "-", "-",
-                        "[red]not ranked[/]"]
+                        report.styled("not ranked", "red")]
             if verdicts is not None:
                 if v:
-                    mark = {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")
-                    row.append(f"{mark} {100 * v['change']:+.1f}%")
+                    row.append(report.line(_verdict_mark(v["verdict"]), f" {100 * v['change']:+.1f}%"))
                 else:
                     row.append("reference" if r["backend"] == normalize_by else "-")
             rows.append(row)
@@ -549,19 +557,20 @@ def _target_lines(judged: list[dict], gpu_name: str) -> list[str]:
             missed = ", ".join(f"{_short_shape(m['shape'])} {m['median_us']:.1f} > {m['target_us']:g} µs"
                                if m["median_us"] is not None else f"{_short_shape(m['shape'])} not timed"
                                for m in j["missed"])
-            mark = "[yellow]" if j.get("indicative") else "[green]" if not j["missed"] else "[red]"
+            colour = "yellow" if j.get("indicative") else "green" if not j["missed"] else "red"
             other = (f" (targets set for {' / '.join(j['targets_set_for'])}, timed on {gpu_name}: indicative only)"
                      if j.get("indicative") else "")
-            lines.append(f"{j['backend']}: first targets met at {mark}{len(j['met'])} of {n}[/] shapes"
-                         + (f"; missed: {missed}" if missed else "") + other)
+            lines.append(report.line(f"{j['backend']}: first targets met at ",
+                                     report.styled(f"{len(j['met'])} of {n}", colour),
+                                     " shapes" + (f"; missed: {missed}" if missed else "") + other))
         n = len(j["fast_enough"]) + len(j["too_slow"])
         if n:
             short = ", ".join(f"{_short_shape(t['shape'])} {t['speedup']:.1f}x" if t["speedup"] else
                               f"{_short_shape(t['shape'])} not timed" for t in j["too_slow"])
             wanted = "/".join(f"{w:g}" for w in j["wanted_speedups"])
-            mark = "[green]" if not j["too_slow"] else "[red]"
-            lines.append(f"{j['backend']}: at least {wanted}x faster than naive at {mark}{len(j['fast_enough'])} of "
-                         f"{n}[/] shapes" + (f"; short: {short}" if short else ""))
+            lines.append(report.line(f"{j['backend']}: at least {wanted}x faster than naive at ",
+                                     report.styled(f"{len(j['fast_enough'])} of {n}", "red" if j["too_slow"] else "green"),
+                                     " shapes" + (f"; short: {short}" if short else "")))
     return lines
 
 
@@ -644,7 +653,7 @@ def ab_cmd(
 def _ab_rows(doc: dict) -> list[list[str]]:
     """The timing part of a kdev ab document: one row per shape and kernel."""
     return [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}", f"{100 * v['change']:+.1f}%",
-             f"±{100 * v['threshold']:.1f}%", {"SLOW": "[red]SLOW[/]", "FAST": "[green]FAST[/]"}.get(v["verdict"], "SAME")]
+             f"±{100 * v['threshold']:.1f}%", _verdict_mark(v["verdict"])]
             for v in doc["verdicts"]]
 
 
@@ -659,9 +668,9 @@ def _ab_lines(doc: dict) -> list[str]:
         lines = [f"machine code ({sass['arch']}): {sass['identical']} of {sass['kernels']} kernels identical"
                  + (f"; differ: {changed}{more}" if changed else "")]
     for v in doc["verify"]:
-        verdict = "[green]PASS[/]" if v["passed"] else "[red]FAIL[/]"
-        lines.append(f"verify {v['suite']}: {verdict} {v['kernel']} and {v['against']}, {v['checks'] - v['failed']}/"
-                     f"{v['checks']} checks passed; same bits in {v['same_bits']} of {v['comparisons']} comparisons")
+        lines.append(report.line(f"verify {v['suite']}: ", _pass_fail(v["passed"], "PASS"),
+                                 f" {v['kernel']} and {v['against']}, {v['checks'] - v['failed']}/{v['checks']} checks "
+                                 f"passed; same bits in {v['same_bits']} of {v['comparisons']} comparisons"))
         lines += [f"  {f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}" for f in v["failures"]]
     return lines
 
@@ -893,15 +902,16 @@ def deploy_check_cmd(
         report.emit_json({"repo": str(repo.resolve()), "target_arch": cfg.target_arch, "strict": strict,
                           "ok": not failed, "probes": [p.to_dict() for p in probes]})
     else:
-        style = {deploy.PASS: "[green]pass[/]", deploy.WARN: "[yellow]warn[/]", deploy.FAIL: "[red]FAIL[/]"}
-        rows = [[p.name, style[p.status], p.reason] for p in probes]
+        status = {deploy.PASS: ("pass", "green"), deploy.WARN: ("warn", "yellow"), deploy.FAIL: ("FAIL", "red")}
+        rows = [[p.name, report.styled(*status[p.status]), p.reason] for p in probes]
         report.show(report.table(f"deploy-check {repo.resolve()} -> {cfg.target_arch}", ["probe", "status", "reason"],
                                  rows, {"left": ("probe", "status", "reason")}))
         git = next((p for p in probes if p.name == "git"), None)
         if git and git.details.get("last_commits"):
             report.show("last commits:\n  " + "\n  ".join(git.details["last_commits"]))
-        report.show("[green]ready to deploy[/]" if not failed else
-                    f"[red]not ready[/]: {len(failed)} probe(s) failed" + (" (--strict)" if strict else ""))
+        report.show(report.styled("ready to deploy", "green") if not failed else
+                    report.line(report.styled("not ready", "red"),
+                                f": {len(failed)} probe(s) failed" + (" (--strict)" if strict else "")))
     if failed:
         raise typer.Exit(EXIT_CHECK_FAILED)
 
@@ -929,9 +939,9 @@ def all_cmd(
     for name, args, needs_gpu in stages:
         if needs_gpu and not have_gpu:
             results.append({"stage": name, "status": "skipped", "reason": "no CUDA GPU", "exit_code": None})
-            report.info(f"[yellow]skip[/] {name}: no CUDA GPU")
+            report.info(report.line(report.styled("skip", "yellow"), f" {name}: no CUDA GPU"))
             continue
-        report.info(f"[bold]== {name}[/]: kdev {' '.join(args)}")
+        report.info(report.line(report.styled(f"== {name}", "bold"), f": kdev {' '.join(args)}"))
         proc = subprocess.run([sys.executable, "-m", "kdev", *args],
                               stdout=subprocess.DEVNULL if json_out else None)
         ok = proc.returncode == 0
@@ -944,10 +954,11 @@ def all_cmd(
     if json_out:
         report.emit_json({"ok": code == 0, "stages": results})
     else:
-        style = {"passed": "[green]passed[/]", "failed": "[red]FAILED[/]", "skipped": "[yellow]skipped[/]",
-                 "not run": "not run"}
+        style = {"passed": ("passed", "green"), "failed": ("FAILED", "red"), "skipped": ("skipped", "yellow"),
+                 "not run": ("not run", "")}
         report.show(report.table("kdev all", ["stage", "status", "exit"],
-                                 [[r["stage"], style[r["status"]], "-" if r["exit_code"] is None else r["exit_code"]]
+                                 [[r["stage"], report.styled(*style[r["status"]]),
+                                   "-" if r["exit_code"] is None else r["exit_code"]]
                                   for r in results], {"left": ("stage", "status")}))
     if code:
         raise typer.Exit(code)

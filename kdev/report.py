@@ -10,8 +10,10 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def _console(to_stderr: bool) -> Console:
@@ -44,16 +46,29 @@ def emit_json(doc: dict) -> None:
     sys.stdout.flush()
 
 
-def info(msg: str) -> None:
-    stderr.print(msg)
+# Output is plain text but for the pieces made by styled(): what a line quotes (an arch as "[sm_120]", an install hint
+# as "kdev[build]", a commit subject as "[skip ci]", a path or an error from elsewhere) is printed as it is. Read as
+# rich markup, the first three would vanish and a "[/...]" would raise.
+def styled(text: str, style: str) -> Text:
+    """A piece of output in a style (a verdict's colour)."""
+    return Text(text, style=style)
+
+
+def line(*parts: str | Text) -> Text:
+    """One line from plain strings and styled() pieces."""
+    return Text.assemble(*parts)
+
+
+def info(msg: str | Text) -> None:
+    stderr.print(msg, markup=False)
 
 
 def warn(msg: str) -> None:
-    stderr.print(f"[yellow]warning:[/] {msg}")
+    stderr.print(line(styled("warning:", "yellow"), " ", msg))
 
 
 def error(msg: str) -> None:
-    stderr.print(f"[red]error:[/] {msg}", markup=True, soft_wrap=True)
+    stderr.print(line(styled("error:", "red"), " ", msg), soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -67,35 +82,36 @@ def progress(label: str, total: int):
         def advance_line(item: str = "") -> None:
             done[0] += 1
             if done[0] % step == 0 or done[0] == total:
-                stderr.print(f"{label}: {done[0]}/{total} after {time.monotonic() - t0:.0f} s ({item})")
+                stderr.print(f"{label}: {done[0]}/{total} after {time.monotonic() - t0:.0f} s ({item})", markup=False)
 
         yield advance_line
         return
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=stderr, transient=True)
     with bar:
-        task = bar.add_task(label, total=total, item="")
+        task = bar.add_task(escape(label), total=total, item="")
 
         def advance(item: str = "") -> None:
-            bar.update(task, advance=1, item=item)
+            bar.update(task, advance=1, item=escape(item))
 
         yield advance
 
 
 def table(title: str, columns: list[str], rows: list[list], styles: dict | None = None) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
+    """Cells are plain text (str() of each value) or styled() pieces."""
+    t = Table(title=Text(title), title_justify="left", header_style="bold")
     for c in columns:
         left = c in (styles or {}).get("left", ())
         # names (kernels with their template arguments, paths) fold onto a second line rather than lose their end
         t.add_column(c, justify="left" if left else "right", overflow="fold" if left else "ellipsis")
     for r in rows:
-        t.add_row(*[str(x) for x in r])
+        t.add_row(*[x if isinstance(x, Text) else Text(str(x)) for x in r])
     return t
 
 
 def show(renderable) -> None:
-    """Human output goes to stdout when not in --json mode."""
-    stdout.print(renderable)
+    """Human output goes to stdout when not in --json mode; a string is plain text."""
+    stdout.print(renderable, markup=False)
 
 
 def fmt_float(x: float, digits: int = 3) -> str:

@@ -41,6 +41,33 @@ def test_bad_input_is_one_line_exit_2(write_yaml):
     assert r.exit_code == 2 and "no suite named 'nope'" in r.stderr
 
 
+def test_messages_print_what_they_quote_as_it_is(monkeypatch, capsys):
+    """An arch in brackets, an install hint with an extra and a path from an error are text, not rich markup: rich
+    would drop the first two and raise on the third. Styled pieces keep their text beside plain ones."""
+    from rich.console import Console
+
+    from kdev import report
+
+    monkeypatch.setattr(report, "stderr", Console(stderr=True, force_terminal=False, highlight=False, width=200))
+    report.error("verify_attn_flash_kernel<true> [sm_120]: 91136 B dynamic shared memory per block > 50000 B limit")
+    report.warn("cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')")
+    report.info("cannot read [/tmp/x]/y")
+    report.info(report.line(report.styled("== build", "bold"), ": kdev build [/x]"))
+    with report.progress("fuzz", 1) as advance:
+        advance("[/case]")
+    assert capsys.readouterr().err.splitlines() == [
+        "error: verify_attn_flash_kernel<true> [sm_120]: 91136 B dynamic shared memory per block > 50000 B limit",
+        "warning: cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')",
+        "cannot read [/tmp/x]/y", "== build: kdev build [/x]", "fuzz: 1/1 after 0 s ([/case])"]
+    monkeypatch.setattr(report, "stdout", Console(force_terminal=False, highlight=False, width=200))
+    report.show(report.table("deploy-check [/repo]", ["probe", "reason"],
+                             [["git", "last commit: [skip ci] a fix"], ["ledger", report.styled("FAIL", "red")]]))
+    report.show("ledger [/tmp/l.jsonl]")
+    out = capsys.readouterr().out
+    assert "deploy-check [/repo]" in out and "last commit: [skip ci] a fix" in out and "FAIL" in out
+    assert out.rstrip().endswith("ledger [/tmp/l.jsonl]")
+
+
 def test_progress_without_a_terminal_prints_a_line_per_tenth(monkeypatch, capsys):
     from rich.console import Console
 
