@@ -358,11 +358,19 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     old = read_json_record(record, ("key", "launches", "build_info", "resources", "embedded", "problems"))
     if not force and lib.is_file() and old is not None:
         if old["key"] == key:
+            launches = old["launches"]
+            if old.get("gate") != gate_settings(cfg):
+                # build.yaml's gate changed since this build (the key holds only what the compile depends on): the
+                # launcher is asked again with the new limits, and the stored report judged anew
+                launches = flash_launches(lib, cfg)
             res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
-                              resources=old["resources"], embedded=old["embedded"], problems=old["problems"],
-                              launches=old["launches"])
-            if not res.problems and not variant:
-                _write_latest(cfg, res)
+                              resources=old["resources"], embedded=old["embedded"],
+                              problems=gate_problems(old["resources"], launches, old["embedded"], cfg, lib),
+                              launches=launches)
+            if res.problems != old["problems"] or old.get("gate") != gate_settings(cfg):
+                _write_record(record, res, cfg)
+            if not variant:
+                _point_latest(cfg, res)
             return res
 
     t0 = time.time()
@@ -408,25 +416,50 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         r.kernel = names.get(r.kernel, r.kernel)
     rows.sort(key=lambda r: (r.kernel, int(r.arch[3:].rstrip("a"))))
     embedded = embedded_archs(lib, find_cuobjdump(nvcc))
-    problems = resource_problems(rows, cfg) + launch_problems(launches or [])
-    if embedded["sass"] is not None:
-        missing = [a for a in cfg.archs if a not in embedded["sass"]]
-        problems += [f"{a}: no SASS embedded in {lib.name}" for a in missing]
-    res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info,
-                      resources=[asdict(r) for r in rows], embedded=embedded, problems=problems,
+    resources = [asdict(r) for r in rows]
+    res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info, resources=resources,
+                      embedded=embedded, problems=gate_problems(resources, launches, embedded, cfg, lib),
                       seconds=round(time.time() - t0, 1), launches=launches)
-    atomic_write_bytes(record, json.dumps({k: v for k, v in res.to_dict().items()
-                                           if k not in ("library", "folder", "cached", "seconds")},
-                                          indent=2).encode())
-    if not problems and not variant:
-        _write_latest(cfg, res)
+    _write_record(record, res, cfg)
+    if not variant:
+        _point_latest(cfg, res)
     return res
 
 
-def _write_latest(cfg: BuildConfig, res: BuildResult) -> None:
-    doc = {"library": str(res.library), "key": res.key, "archs": list(cfg.archs),
-           "source_hash": res.build_info["source_hash"]}
-    atomic_write_bytes(cfg.output_dir / LATEST, json.dumps(doc, indent=2).encode())
+def gate_settings(cfg: BuildConfig) -> dict:
+    """What the resource gate judges a build by, for the archs it holds: a build record keeps it, so that a cached
+    build is judged anew when build.yaml's gate changes."""
+    return {"allow_spills": cfg.allow_spills,
+            "smem_limit_bytes": {a: cfg.smem_limit_bytes.get(a.rstrip("a")) for a in cfg.archs}}
+
+
+def gate_problems(resources: list[dict], launches: list[dict] | None, embedded: dict, cfg: BuildConfig,
+                  lib: Path) -> list[str]:
+    """The resource gate: spills and static shared memory (ptxas), dynamic shared memory (the launcher's choice),
+    and an arch whose SASS the library lacks."""
+    problems = resource_problems([KernelResources(**r) for r in resources], cfg) + launch_problems(launches or [])
+    if embedded.get("sass") is not None:
+        problems += [f"{a}: no SASS embedded in {lib.name}" for a in cfg.archs if a not in embedded["sass"]]
+    return problems
+
+
+def _write_record(record: Path, res: BuildResult, cfg: BuildConfig) -> None:
+    doc = {k: v for k, v in res.to_dict().items() if k not in ("library", "folder", "cached", "seconds")}
+    atomic_write_bytes(record, json.dumps({**doc, "gate": gate_settings(cfg)}, indent=2).encode())
+
+
+def _point_latest(cfg: BuildConfig, res: BuildResult) -> None:
+    """latest.json (what verify, bench and deploy-check load by default) names a build that passes the gate, and
+    never one that fails it: a library that fails a gate made stricter since it was built is no longer named."""
+    path = cfg.output_dir / LATEST
+    if not res.problems:
+        doc = {"library": str(res.library), "key": res.key, "archs": list(cfg.archs),
+               "source_hash": res.build_info["source_hash"]}
+        atomic_write_bytes(path, json.dumps(doc, indent=2).encode())
+        return
+    named = read_json_record(path, ("library",))
+    if named is not None and Path(named["library"]) == res.library:
+        path.unlink(missing_ok=True)
 
 
 def library_file(library: Path) -> Path:

@@ -274,3 +274,50 @@ def test_a_damaged_build_record_is_no_record(tmp_path, monkeypatch, damage):
     assert fsutil.read_json_record(tmp_path / "absent.json") is None
     (tmp_path / "ok.json").write_text('{"library": "x", "n": 1}')
     assert fsutil.read_json_record(tmp_path / "ok.json", ("library",)) == {"library": "x", "n": 1}
+
+
+@needs_nvcc
+def test_a_cached_build_is_judged_by_the_gate_in_force(both_archs, tmp_path):
+    """The cache key holds what the compile depends on, not build.yaml's gate: a build made under one gate and reused
+    under a stricter one fails it (the launcher asked again with the new limits, latest.json no longer naming it),
+    and passes again once the gate is as before, all without compiling. A record from before the gate was kept in it
+    is judged anew too. `kdev build` prints the report and each problem with its arch."""
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    built, _ = both_archs
+    out = tmp_path / "build"
+    shutil.copytree(built.output_dir, out)  # the session's build stays as it is for the other tests
+    text = (config.CONFIG_DIR / "build.yaml").read_text().replace("output_dir: build", f"output_dir: {out}")
+    assert f"output_dir: {out}" in text and "sm_120: 101376" in text
+    ok, tight = tmp_path / "ok.yaml", tmp_path / "tight.yaml"
+    ok.write_text(text)
+    tight.write_text(text.replace("sm_120: 101376", "sm_120: 50000"))
+
+    first = kbuild.build(config.load_build(ok, None))
+    assert first.cached and first.problems == [] and kbuild.latest_library(out) == first.library
+    record = first.folder / "build.json"
+    assert json.loads(record.read_text())["gate"]["smem_limit_bytes"] == {"sm_90": 232448, "sm_120": 101376}
+
+    strict = kbuild.build(config.load_build(tight, None))
+    assert strict.cached and strict.key == first.key and strict.problems
+    assert all("[sm_120]" in p and "> 50000 B limit" in p for p in strict.problems)
+    assert {r["limit"] for r in strict.launches if r["arch"] == "sm_120"} == {50000}
+    assert kbuild.latest_library(out) is None
+    assert json.loads(record.read_text())["problems"] == strict.problems
+
+    r = CliRunner().invoke(app, ["build", "--config", str(tight)])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "ptxas resources" in r.stdout and "up to date, nothing compiled" in r.stdout
+    assert len([x for x in r.stderr.splitlines() if "[sm_120]: " in x and "> 50000 B limit" in x]) == len(strict.problems)
+
+    doc = json.loads(record.read_text())
+    del doc["gate"]  # a record written before the gate was kept in it
+    record.write_text(json.dumps(doc))
+    again = kbuild.build(config.load_build(ok, None))
+    assert again.cached and again.problems == [] and kbuild.latest_library(out) == first.library
+    assert {r["limit"] for r in again.launches if r["arch"] == "sm_120"} == {101376}
+    assert "gate" in json.loads(record.read_text())
+    r = CliRunner().invoke(app, ["build", "--config", str(ok)])
+    assert r.exit_code == 0 and "up to date, nothing compiled" in r.stdout and "flash calls" in r.stdout
