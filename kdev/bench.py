@@ -215,19 +215,29 @@ def parse_assignments(items: list[str], what: str) -> dict:
             k = alias.get(k.strip().lower(), k.strip().lower())
             if k not in AXES:
                 raise BadInput(f"{what}: unknown axis {k!r} (axes: {', '.join(AXES)})")
+            if k in out:  # the first value would be dropped without a word
+                raise BadInput(f"{what}: axis {k!r} given twice")
             try:
                 out[k] = [x.strip() if k == "tree" else int(x) for x in v.split(",") if x.strip()]
             except ValueError:
                 raise BadInput(f"{what}: {part!r}: values must be integers") from None
+            if not out[k]:  # an axis without values would leave no shape to run
+                raise BadInput(f"{what}: {part!r}: no values")
     return out
 
 
 def expand(cfg: BenchConfig, sweep: str | None, shape: list[str] | None, overrides: list[str] | None) -> list[Shape]:
     """The shapes to run: a named sweep (with -a AXIS=V1,V2 replacing that axis everywhere) or --shape."""
     if shape:
+        if sweep:
+            raise BadInput(f"--shape and --sweep {sweep}: give one of them (-a AXIS=V1,V2 varies either)")
         base = []
         for s in shape:
             vals = parse_assignments([s.replace(",", ";") if s.count("=") > 1 else s], "--shape")
+            many = [k for k, v in vals.items() if len(v) > 1]
+            if many:
+                raise BadInput(f"--shape {s}: one value per axis ({many[0]} has {len(vals[many[0]])}); "
+                               f"-a {many[0]}=V1,V2 runs several")
             base.append({**DEFAULT_AXES, **{k: v[0] for k, v in vals.items()}})
         rows = base
     else:

@@ -41,6 +41,22 @@ def test_bad_overrides(bad):
         bench.expand(bench.load_bench(), "smoke", None, bad)
 
 
+@pytest.mark.parametrize("sweep, shape, over, message", [
+    (None, ["B="], None, "--shape: 'B=': no values"),
+    (None, ["B=1,2"], None, "--shape B=1,2: one value per axis (batch has 2)"),
+    (None, ["B=1,L=10,B=2"], None, "--shape: axis 'batch' given twice"),
+    ("smoke", None, ["batch="], "-a: 'batch=': no values"),
+    ("smoke", None, ["H=8", "heads=64"], "-a: axis 'heads' given twice"),
+    ("targets", ["B=1"], None, "--shape and --sweep targets: give one of them"),
+])
+def test_shapes_that_would_drop_a_value_or_run_nothing_are_refused(sweep, shape, over, message):
+    """Each of these ran before: the last value of a repeated axis, the first of a --shape list, --shape over a
+    --sweep, and an empty axis (no shape at all, or an IndexError for --shape)."""
+    with pytest.raises(BadInput) as e:
+        bench.expand(bench.load_bench(), sweep, shape, over)
+    assert str(e.value).startswith(message)
+
+
 def test_unknown_sweep():
     with pytest.raises(BadInput, match="no sweep named 'nope'"):
         bench.expand(bench.load_bench(), "nope", None, None)
