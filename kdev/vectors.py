@@ -388,7 +388,8 @@ def resolve_suite_path(name_or_path: str, root: Path | None = None) -> Path:
     root = Path(root) if root else default_vectors_root()
     if (root / name_or_path / MANIFEST).is_file():
         return root / name_or_path
-    raise BadInput(f"{name_or_path}: no suite there (no {MANIFEST} in {p} or {root / name_or_path}); "
+    places = " or ".join(map(str, dict.fromkeys([p, root / name_or_path])))  # one place for an absolute path
+    raise BadInput(f"{name_or_path}: no suite there (no {MANIFEST} in {places}); "
                    f"generate it with 'kdev gen-refs --suite {p.name}'")
 
 

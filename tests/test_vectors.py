@@ -158,3 +158,12 @@ def test_a_damaged_manifest_is_one_line_for_readers_and_for_appended_fuzz_failur
         assert "\n" not in str(e.value)
     assert mpath.read_text() == text  # refused before anything was written
     assert sorted(p.name for p in (root / "tiny").iterdir()) == ["a.safetensors", "b.safetensors", "manifest.yaml"]
+
+
+def test_a_missing_suite_names_each_place_looked_in_once(tmp_path):
+    with pytest.raises(BadInput) as e:
+        vectors.resolve_suite_path("nope", tmp_path)
+    assert f"no manifest.yaml in nope or {tmp_path / 'nope'});" in str(e.value)
+    with pytest.raises(BadInput) as e:
+        vectors.resolve_suite_path(str(tmp_path), tmp_path / "vectors")  # a path: the root adds no second place
+    assert f"(no manifest.yaml in {tmp_path});" in str(e.value) and "--suite " + tmp_path.name in str(e.value)
