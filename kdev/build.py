@@ -32,6 +32,7 @@ from kdev.fsutil import atomic_write_bytes, read_json_record
 KERNEL_DIR = REPO_ROOT / "kernels"
 LIB_NAME = "libkdtree.so"
 LATEST = "latest.json"
+MIN_ARCH = 80  # the oldest arch the kernels compile for
 
 
 # ------------------------------------------------------------------------------------------- sources
@@ -347,6 +348,14 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     unknown = [a for a in cfg.archs if known is not None and a.rstrip("a") not in known]  # sm_90a: sm_90's features
     if unknown:  # refused here in one line rather than as nvcc's fatal error after a compile started
         raise BadInput(f"nvcc {ver} does not build {unknown[0]} (it builds {', '.join(known)})")
+    older = [a for a in cfg.archs if int(a[3:].rstrip("a")) < MIN_ARCH]
+    if older:
+        raise BadInput(f"{older[0]}: the kernels need sm_{MIN_ARCH} or newer (bf16 mma.sync, cp.async, warp "
+                       f"reductions)")
+    ungated = [a for a in cfg.archs if a.rstrip("a") not in cfg.smem_limit_bytes]
+    if ungated:  # its shared memory would pass unjudged, and the flash launches would not be asked for it
+        raise BadInput(f"{ungated[0]}: {cfg.path.name} has no smem_limit_bytes for it: the resource gate needs the "
+                       f"arch's per-block opt-in limit")
     src_hash = source_hash(kernel_dir)
     key = cache_key(cfg, src_hash, ver)
     folder = config_folder(cfg)

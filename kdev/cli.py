@@ -568,8 +568,9 @@ def _target_lines(judged: list[dict], gpu_name: str) -> list[str]:
             short = ", ".join(f"{_short_shape(t['shape'])} {t['speedup']:.1f}x" if t["speedup"] else
                               f"{_short_shape(t['shape'])} not timed" for t in j["too_slow"])
             wanted = "/".join(f"{w:g}" for w in j["wanted_speedups"])
+            colour = "red" if j["too_slow"] else "green"
             lines.append(report.line(f"{j['backend']}: at least {wanted}x faster than naive at ",
-                                     report.styled(f"{len(j['fast_enough'])} of {n}", "red" if j["too_slow"] else "green"),
+                                     report.styled(f"{len(j['fast_enough'])} of {n}", colour),
                                      " shapes" + (f"; short: {short}" if short else "")))
     return lines
 

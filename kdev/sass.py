@@ -238,13 +238,26 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
     }
 
 
+def _check_archs(functions: list[Function], archs: list[str] | None, have_what: str) -> None:
+    """An arch asked for that the build has no SASS for is refused, not left out of the rows without a word."""
+    built = sorted({f.arch for f in functions}, key=lambda a: int(a[3:].rstrip("a")))
+    absent = [a for a in archs or [] if a not in built]
+    if absent:
+        raise BadInput(f"no SASS for {', '.join(absent)} ({have_what}: {', '.join(built) or 'none'})")
+
+
+def _no_kernel(functions: list[Function], kernel: str, archs: list[str] | None, where: str, have_what: str):
+    have = sorted(set(demangle(sorted({f.name for f in functions})).values()))
+    return BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
+                    + f"{where}; {have_what}: {', '.join(have) or 'none'}")
+
+
 def report(functions: list[Function], kernel: str, archs: list[str] | None = None) -> list[dict]:
     """One row per (arch, kernel, HMMA loop) of the functions whose readable name contains `kernel`."""
+    _check_archs(functions, archs, "the library has")
     picked = _by_kernel(functions, kernel, archs)
     if not picked:
-        have = sorted(set(demangle(sorted({f.name for f in functions})).values()))
-        raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
-                       + f"; the library has: {', '.join(have) or 'none'}")
+        raise _no_kernel(functions, kernel, archs, "", "the library has")
     rows = []
     for (arch, name), f in picked.items():
         for first, last in loops(f):
@@ -337,11 +350,11 @@ def compare(base: list[Function], this: list[Function], kernel: str = "",
     and the sizes of the loops that issue HMMA in each with their shared-memory wavefronts. A kernel added under a
     new name whose code is a removed kernel's (a template argument added, a kernel renamed) names it in `code_of`,
     how alike in `code_likeness`."""
+    _check_archs(base, archs, "the base has")
+    _check_archs(this, archs, "this build has")
     old, new = _by_kernel(base, kernel, archs), _by_kernel(this, kernel, archs)
     if not old and not new:
-        have = sorted(set(demangle(sorted({f.name for f in base + this})).values()))
-        raise BadInput(f"no kernel matching '{kernel}'" + (f" for {', '.join(archs)}" if archs else "")
-                       + f" in either library; they have: {', '.join(have) or 'none'}")
+        raise _no_kernel(base + this, kernel, archs, " in either library", "they have")
     removed = [k for k in old if k not in new]
     rows = []
     for key in sorted(old.keys() | new.keys(), key=lambda k: (k[1], k[0])):

@@ -86,5 +86,6 @@ def test_the_timing_rows_come_from_the_verdicts_of_one_run():
     results = [_timed("s1", "flash@main", 100.0), _timed("s1", "flash", 97.0)]
     rows = _ab_rows({"verdicts": ab.verdicts(results, ["flash"], "main", 0.01)})
     (*cells, mark), = rows
-    assert cells == ["s1", "flash", "100.0", "97.0", "-3.0%", "±1.0%"] and (mark.plain, mark.style) == ("FAST", "green")
+    assert cells == ["s1", "flash", "100.0", "97.0", "-3.0%", "±1.0%"]
+    assert (mark.plain, mark.style) == ("FAST", "green")
 

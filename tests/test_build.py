@@ -260,6 +260,20 @@ def test_an_arch_this_nvcc_does_not_build_is_refused_before_compiling():
     assert r.exit_code == 2 and "does not build sm_99" in r.stderr and "Traceback" not in r.output
 
 
+@needs_nvcc
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "sm_75: the kernels need sm_80 or newer"),
+    ("sm_87", "sm_87: build.yaml has no smem_limit_bytes for it"),  # nvcc builds it; the gate could not judge it
+])
+def test_an_arch_the_kernels_or_the_gate_cannot_take_is_refused_before_compiling(tmp_path, build_config, arch,
+                                                                                 message):
+    from kdev.errors import BadInput
+
+    with pytest.raises(BadInput, match=message):
+        kbuild.build(build_config(tmp_path / "build", [arch]))
+    assert not (tmp_path / "build").exists()
+
+
 @pytest.mark.parametrize("damage", ["{garbage", '{"library": 5}', "[]", ""])
 def test_a_damaged_build_record_is_no_record(tmp_path, monkeypatch, damage):
     """build/latest.json and build.json are kdev's own; one that is damaged stands for none (no traceback): the
@@ -310,7 +324,8 @@ def test_a_cached_build_is_judged_by_the_gate_in_force(both_archs, tmp_path):
     r = CliRunner().invoke(app, ["build", "--config", str(tight)])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "ptxas resources" in r.stdout and "up to date, nothing compiled" in r.stdout
-    assert len([x for x in r.stderr.splitlines() if "[sm_120]: " in x and "> 50000 B limit" in x]) == len(strict.problems)
+    said = [x for x in r.stderr.splitlines() if "[sm_120]: " in x and "> 50000 B limit" in x]
+    assert len(said) == len(strict.problems)
 
     doc = json.loads(record.read_text())
     del doc["gate"]  # a record written before the gate was kept in it

@@ -183,6 +183,8 @@ def test_compare_names_kernels_only_in_one_build_and_filters_by_kernel_and_arch(
             for r in rows] == [("k_four_chains", "added", None, 16, 16), ("k_two_chains", "removed", 16, None, 16)]
     with pytest.raises(BadInput, match="no kernel matching 'nope' in either library.*k_carried"):
         sass.compare(sass.parse(SASS), sass.parse(renamed), "nope")
+    with pytest.raises(BadInput, match=r"no SASS for sm_86 \(the base has: sm_90, sm_120\)"):  # not left out silently
+        sass.compare(sass.parse(SASS), sass.parse(renamed), "chains", ["sm_90", "sm_86"])
 
 
 def test_anonymous_namespace_hash_does_not_count_as_a_change():
@@ -277,7 +279,8 @@ def test_sass_command_on_a_built_library(sm90_library):
         assert r["hmma"] > 0 and sum(r["chains"].values()) <= r["hmma"]
     bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
                          capture_output=True, text=True)
-    assert bad.returncode == 2 and "no kernel matching" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "no SASS for sm_120 (the library has: sm_90)" in bad.stderr
     # the library against itself (named by its build folder): every kernel of it, identical
     same = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--against",
                            str(sm90_library.parent), "--expect-same", "--json"], capture_output=True, text=True)
