@@ -243,8 +243,10 @@ def test_an_output_path_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     f.write_text(json.dumps(_doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0)])))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    r = CliRunner().invoke(app, ["bench", "--from", str(f), "--csv", str(blocker / "r.csv")])
-    assert r.exit_code == 2 and str(blocker) in r.stderr and "Traceback" not in r.output
+    for flag in ("--csv", "--out-json"):  # written through a temp file beside it: the error names the file asked for
+        r = CliRunner().invoke(app, ["bench", "--from", str(f), flag, str(blocker / "r.out")])
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert r.stderr.strip() == f"error: {blocker / 'r.out'}: Not a directory"
 
 
 def test_a_kernel_of_another_build_is_a_backend_named_kernel_at_ref(tmp_path):
@@ -470,3 +472,4 @@ def test_graph_replay_timing_is_a_method_setting_and_a_flag_and_a_stored_run_say
     stored.write_text(json.dumps(doc))
     r = CliRunner().invoke(app, ["bench", "--from", str(stored)], env={"COLUMNS": "400"})
     assert r.exit_code == 0 and "CUDA-graph replays" in r.output
+
