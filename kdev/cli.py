@@ -303,6 +303,7 @@ def verify_cmd(
 
 
 def _pass_fail(passed: bool, word: str = "pass"):
+    """pass (or PASS) in green, FAIL in red."""
     return report.styled(word, "green") if passed else report.styled("FAIL", "red")
 
 
@@ -547,7 +548,7 @@ def _short_shape(name: str) -> str:
     return " ".join(p for p in parts if p != "p64")
 
 
-def _target_lines(judged: list[dict], gpu_name: str) -> list[str]:
+def _target_lines(judged: list[dict], gpu_name: str) -> list:
     """One line per judged backend: the first targets it meets, and its speedup over naive where it falls short. Targets
     set for another GPU than the run's are compared in yellow and said to be indicative."""
     lines = []
@@ -651,14 +652,14 @@ def ab_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
-def _ab_rows(doc: dict) -> list[list[str]]:
+def _ab_rows(doc: dict) -> list[list]:
     """The timing part of a kdev ab document: one row per shape and kernel."""
     return [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}", f"{100 * v['change']:+.1f}%",
              f"±{100 * v['threshold']:.1f}%", _verdict_mark(v["verdict"])]
             for v in doc["verdicts"]]
 
 
-def _ab_lines(doc: dict) -> list[str]:
+def _ab_lines(doc: dict) -> list:
     """The machine code and verification parts of a kdev ab document, a line each."""
     sass = doc["sass"]
     if "skipped" in sass:
