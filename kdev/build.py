@@ -367,8 +367,8 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     old = read_json_record(record, ("key", "launches", "build_info", "resources", "embedded", "problems"))
     if not force and lib.is_file() and old is not None:
         if old["key"] == key:
-            launches = old["launches"]
-            if old.get("gate") != gate_settings(cfg):
+            launches, gate_changed = old["launches"], old.get("gate") != gate_settings(cfg)
+            if gate_changed:
                 # build.yaml's gate changed since this build (the key holds only what the compile depends on): the
                 # launcher is asked again with the new limits, and the stored report judged anew
                 launches = flash_launches(lib, cfg)
@@ -376,7 +376,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
                               resources=old["resources"], embedded=old["embedded"],
                               problems=gate_problems(old["resources"], launches, old["embedded"], cfg, lib),
                               launches=launches)
-            if res.problems != old["problems"] or old.get("gate") != gate_settings(cfg):
+            if gate_changed or res.problems != old["problems"]:
                 _write_record(record, res, cfg)
             if not variant:
                 _point_latest(cfg, res)

@@ -472,4 +472,3 @@ def test_graph_replay_timing_is_a_method_setting_and_a_flag_and_a_stored_run_say
     stored.write_text(json.dumps(doc))
     r = CliRunner().invoke(app, ["bench", "--from", str(stored)], env={"COLUMNS": "400"})
     assert r.exit_code == 0 and "CUDA-graph replays" in r.output
-
