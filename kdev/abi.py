@@ -1,15 +1,15 @@
-"""ctypes binding of the built library: signatures, argument checks, status -> exception.
+"""The torch-facing side of the C ABI: tensor checks, params filled from tensors, calls on the current stream.
 
-Tensor arguments are checked here (device, dtype, shape, contiguity, alignment) and a clear Python error is
-raised before anything is called; the C side validates again and never launches on bad arguments. Calls run
-on the current torch CUDA stream. Loading a library built from other sources than the current kernels/
-warns (StaleLibraryWarning).
+The ABI itself (structs, signatures, status codes, the contract's constants) is kdev/cabi.py, read from
+kernels/include/kdev/kdtree.h; this module adds what needs torch. Tensor arguments are checked here (device, dtype,
+shape, contiguity, alignment, the page rule) and a clear Python error is raised before anything is called; the C side
+validates again and never launches on bad arguments. Loading a library built from other sources than the current
+kernels/ warns (StaleLibraryWarning).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from kdev import build as kbuild
-from kdev.config import LATENT_DIM, QK_DIM
+from kdev import cabi
+from kdev.cabi import (AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, STATUS,  # noqa: F401
+                       VerifyAttnParams)
 from kdev.errors import BadInput, EnvironmentMissing
 
-STATUS = {0: "ok", 1: "invalid argument", 2: "CUDA error", 3: "workspace missing or too small"}
 # flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows
 # (on an H200 the flash call takes the larger teams kernels): how the sm_120 code path is checked and timed here.
 VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash",
@@ -28,40 +29,11 @@ VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_fl
 FLASH_KERNELS = ("flash", "flash-portable")  # split-KV: a workspace and a split count
 
 
-class VerifyAttnParams(ctypes.Structure):
-    """Mirror of VerifyAttnParams in kernels/include/kdev/verify_attn.cuh (field order and types)."""
-
-    _fields_ = [
-        ("struct_size", ctypes.c_uint32),
-        ("batch", ctypes.c_int32),
-        ("total_q", ctypes.c_int32),
-        ("num_heads", ctypes.c_int32),
-        ("max_qlen", ctypes.c_int32),
-        ("mask_words", ctypes.c_int32),
-        ("num_pages", ctypes.c_int32),
-        ("page_size", ctypes.c_int32),
-        ("max_pages", ctypes.c_int32),
-        ("max_kv_len", ctypes.c_int32),
-        ("scale", ctypes.c_float),
-        ("plan_sm_count", ctypes.c_int32),
-        ("q", ctypes.c_void_p),
-        ("kv_cache", ctypes.c_void_p),
-        ("page_table", ctypes.c_void_p),
-        ("prefix_lens", ctypes.c_void_p),
-        ("q_indptr", ctypes.c_void_p),
-        ("tree_mask", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-    ]
-
-
 class KernelError(RuntimeError):
     """A non-zero status from the library, with kdtree_last_error()."""
 
     def __init__(self, fn: str, status: int, message: str):
-        super().__init__(f"{fn}: status {status} ({STATUS.get(status, '?')}): {message}")
+        super().__init__(f"{fn}: status {status} ({cabi.status_text(status)}): {message}")
         self.fn, self.status, self.message = fn, status, message
 
 
@@ -91,7 +63,7 @@ def _check(name: str, t: torch.Tensor, dtype, ndim: int, device: torch.device, a
 
 @dataclass
 class VerifyInputs:
-    """The contract's inputs for one call (DESIGN.md §2), on one CUDA device."""
+    """The contract's inputs for one call (kdtree.h; docs/architecture.md), on one CUDA device."""
 
     q: torch.Tensor
     kv_cache: torch.Tensor
@@ -130,6 +102,9 @@ def check_inputs(x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple
     if x.q_indptr.shape[0] != batch + 1 or x.page_table.shape[0] != batch:
         raise AbiArgumentError(f"batch mismatch: prefix_lens {batch}, q_indptr {x.q_indptr.shape[0]} "
                                f"(want {batch + 1}), page_table {x.page_table.shape[0]}")
+    page_problem = cabi.page_size_problem(x.kv_cache.shape[1])
+    if page_problem:
+        raise AbiArgumentError(f"kv_cache: {page_problem}")
     if x.tree_mask.shape[0] != n_q:
         raise AbiArgumentError(f"tree_mask: {x.tree_mask.shape[0]} rows, q has {n_q}")
     if tuple(out.shape) != (n_q, heads, LATENT_DIM):
@@ -149,31 +124,14 @@ class Library:
                                      "run 'kdev build'")
         self.path = Path(path)
         try:
-            self.lib = ctypes.CDLL(str(self.path))
-        except OSError as e:
-            raise EnvironmentMissing(f"{self.path}: cannot load: {e}") from None
-        L = self.lib
-        L.kdtree_last_error.restype = ctypes.c_char_p
-        L.kdtree_build_info.restype = ctypes.c_char_p
-        L.kdtree_max_qlen.restype = ctypes.c_int
-        L.kdtree_params_size.restype = ctypes.c_size_t
-        L.kdtree_abi_version.restype = ctypes.c_int
-        P = ctypes.POINTER(VerifyAttnParams)
+            self.lib = L = cabi.load(self.path)
+        except cabi.LoadError as e:
+            raise EnvironmentMissing(str(e)) from None
         # a library built before an entry point existed still loads (an A/B base); calling it is refused in call()
         self.kernels = tuple(k for k, fn in VERIFY_KERNELS.items() if hasattr(L, fn))
-        for k in self.kernels:
-            getattr(L, VERIFY_KERNELS[k]).argtypes = [P, ctypes.c_void_p]
-            getattr(L, VERIFY_KERNELS[k]).restype = ctypes.c_int
-        L.kdtree_verify_attn_workspace_size.argtypes = [P, ctypes.POINTER(ctypes.c_size_t)]
-        L.kdtree_verify_attn_workspace_size.restype = ctypes.c_int
-        L.kdtree_verify_attn_flash_splits.argtypes = [P, ctypes.POINTER(ctypes.c_int)]
-        L.kdtree_verify_attn_flash_splits.restype = ctypes.c_int
-        if L.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
-            raise EnvironmentMissing(f"{self.path}: VerifyAttnParams is {L.kdtree_params_size()} B in the library, "
-                                     f"{ctypes.sizeof(VerifyAttnParams)} B here: rebuild with 'kdev build'")
         self.abi_version = L.kdtree_abi_version()
         self.plan_sm_count = 0  # plan_as(): every flash call planned as for a GPU of that many SMs
-        self.build_info = json.loads(L.kdtree_build_info().decode())
+        self.build_info = cabi.build_info(L)
         self.stale = self.build_info.get("source_hash") != kbuild.source_hash()
         # an A/B library (kdev build --kernels) comes from another kernels/ tree by design: no warning for it
         if self.stale and not self.build_info.get("variant"):
@@ -197,7 +155,7 @@ class Library:
         return self.lib.kdtree_max_qlen()
 
     def last_error(self) -> str:
-        return self.lib.kdtree_last_error().decode(errors="replace")
+        return cabi.last_error(self.lib)
 
     def _status(self, fn: str, status: int) -> None:
         if status != 0:
@@ -354,31 +312,6 @@ def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = Non
 
 
 # ------------------------------------------------------------------------------------------ DDTree kernels
-class DDTreeBuildParams(ctypes.Structure):
-    """Mirror of DDTreeBuildParams in kernels/include/kdev/ddtree.cuh."""
-
-    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("depth", ctypes.c_int32),
-                ("topk", ctypes.c_int32), ("budget", ctypes.c_int32), ("mask_words", ctypes.c_int32),
-                ("log_probs", ctypes.c_void_p), ("token_ids", ctypes.c_void_p), ("root_tokens", ctypes.c_void_p),
-                ("prefix_lens", ctypes.c_void_p), ("node_tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p),
-                ("depths", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("tree_mask", ctypes.c_void_p),
-                ("node_count", ctypes.c_void_p)]
-
-
-class AcceptParams(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("t_stride", ctypes.c_int32),
-                ("node_tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p), ("node_count", ctypes.c_void_p),
-                ("target_argmax", ctypes.c_void_p), ("accepted", ctypes.c_void_p), ("accept_len", ctypes.c_void_p),
-                ("bonus_token", ctypes.c_void_p)]
-
-
-class CompactParams(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_uint32), ("batch", ctypes.c_int32), ("t_stride", ctypes.c_int32),
-                ("page_size", ctypes.c_int32), ("max_pages", ctypes.c_int32), ("num_pages", ctypes.c_int32),
-                ("kv_cache", ctypes.c_void_p), ("page_table", ctypes.c_void_p), ("prefix_lens", ctypes.c_void_p),
-                ("accepted", ctypes.c_void_p), ("accept_len", ctypes.c_void_p)]
-
-
 def _i32(name: str, t: torch.Tensor, shape: tuple, device) -> None:
     _check(name, t, torch.int32, len(shape), device, 4)
     if tuple(t.shape) != shape:
@@ -395,9 +328,6 @@ class TreeKernels:
 
     def __init__(self, lib: Library):
         self.lib = lib
-        for fn, st in self.FUNCTIONS.values():
-            getattr(lib.lib, fn).argtypes = [ctypes.POINTER(st), ctypes.c_void_p]
-            getattr(lib.lib, fn).restype = ctypes.c_int
 
     def launch(self, which: str, p) -> None:
         fn = self.FUNCTIONS[which][0]

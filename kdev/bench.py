@@ -32,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, Tolerance, _Reader, load_gpus, load_yaml
+from kdev import cabi
+from kdev.config import (CONFIG_DIR, LATENT_DIM, QK_DIM, REPO_ROOT, TREE_KINDS, Tolerance, _Reader, load_gpus,
+                         load_yaml)
 from kdev.errors import BadInput
 from kdev.fsutil import read_json_record
 
@@ -109,10 +111,11 @@ def _shape(r: _Reader, base: dict) -> tuple[Shape, float | None]:
 
 def _make_shape(vals: dict, where: str) -> Shape:
     s = Shape(**{k: vals[k] for k in AXES})
-    if s.batch < 1 or s.prefix < 0 or not 1 <= s.budget <= 1024 or not 1 <= s.heads <= 128:
-        raise BadInput(f"{where}: shape {s.name} out of range (batch>=1, prefix>=0, budget 1..1024, heads 1..128)")
-    if s.page_size not in (1, 64) or s.tree not in ("ddtree", "chain", "star", "random"):
-        raise BadInput(f"{where}: page_size must be 1 or 64 and tree one of ddtree/chain/star/random")
+    problem = cabi.shape_problem(s.batch, s.prefix, s.budget, s.heads, s.page_size)
+    if problem:
+        raise BadInput(f"{where}: shape {s.name} out of range: {problem}")
+    if s.tree not in TREE_KINDS:
+        raise BadInput(f"{where}: shape {s.name}: tree {s.tree!r} is not one of {'/'.join(TREE_KINDS)}")
     return s
 
 
@@ -560,8 +563,6 @@ def measure_ceilings(lib, device) -> dict:
     import torch
 
     L = lib.lib
-    L.kdtree_bench_mma_peak.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    L.kdtree_bench_mma_peak.restype = ctypes.c_int
     chains = L.kdtree_bench_mma_chains()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     sink = torch.zeros(256, device=device)
@@ -575,7 +576,7 @@ def measure_ceilings(lib, device) -> dict:
         e.record()
         e.synchronize()
         if st != 0:
-            raise RuntimeError(f"kdtree_bench_mma_peak: status {st}")
+            raise RuntimeError(f"kdtree_bench_mma_peak: status {st} ({cabi.status_text(st)})")
         flops = blocks * 8 * iters * chains * 4096.0
         best = max(best, flops / (s.elapsed_time(e) / 1e3))
     n = 1 << 30  # 2 GiB of bf16 each way
@@ -608,11 +609,6 @@ def measure_inner_loops(lib, device, peak_flops: float, only: list[str] | None =
         if only:
             raise BadInput(f"{lib.path.name} was built before the flash loop ladder: no --loop to run")
         return []
-    L.kdtree_bench_loop.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                                    ctypes.c_void_p, ctypes.c_void_p]
-    L.kdtree_bench_loop.restype = ctypes.c_int
-    L.kdtree_bench_loop_name.restype = ctypes.c_char_p
-    L.kdtree_bench_loop_name.argtypes = [ctypes.c_int]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     sink = torch.zeros(512, device=device)
     # the gathering loops stream tiles from 16 MiB that stay in L2, as the flash kernel's KV tiles mostly do
@@ -638,10 +634,10 @@ def measure_inner_loops(lib, device, peak_flops: float, only: list[str] | None =
                                      ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
             e.record()
             e.synchronize()
-            if st == 3:  # not on this GPU: its buffers exceed the shared memory, or bulk / tensor copies before sm_90
+            if st == cabi.ERR_UNSUPPORTED:  # its buffers exceed the shared memory, or bulk / tensor copies before sm_90
                 break
             if st != 0:
-                raise RuntimeError(f"kdtree_bench_loop({name}): status {st}")
+                raise RuntimeError(f"kdtree_bench_loop({name}): status {st} ({cabi.status_text(st)})")
             best_s = min(best_s, s.elapsed_time(e) / 1e3)
         if best_s == float("inf"):
             loops.append({"loop": name, "warps_per_sm": warps, "mma_per_warp_tile": mma, "flops": None,

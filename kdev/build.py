@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kdev import __version__
+from kdev import cabi
 from kdev.config import REPO_ROOT, BuildConfig
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
 from kdev.fsutil import atomic_write_bytes, read_json_record
@@ -208,23 +209,19 @@ def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
 
 
 def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
-    """The loaded library's kdtree_flash_launch_plan as ask(major, smem_optin, tensor_copy, portable) -> {full,
-    full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such a GPU and the dynamic
-    shared memory per block of each. A refusal raises `error` with the library's message. None for a library without
-    the entry point."""
+    """The loaded library's kdtree_flash_launch_plan (L from cabi.load) as ask(major, smem_optin, tensor_copy, portable)
+    -> {full, full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such a GPU and the
+    dynamic shared memory per block of each. A refusal raises `error` with the library's message. None for a library
+    without the entry point."""
     fn = getattr(L, "kdtree_flash_launch_plan", None)
     if fn is None:
         return None
-    name, size = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int)
-    fn.argtypes = [ctypes.c_int] * 4 + [name, size, name, size]
-    fn.restype = ctypes.c_int
-    L.kdtree_last_error.restype = ctypes.c_char_p
 
     def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool) -> dict:
         full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
         if fn(major, smem_optin, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
               ctypes.byref(narrow), ctypes.byref(narrow_smem)):
-            raise error(f"kdtree_flash_launch_plan(major {major}): {L.kdtree_last_error().decode(errors='replace')}")
+            raise error(f"kdtree_flash_launch_plan(major {major}): {cabi.last_error(L)}")
         return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
                 "narrow_smem": narrow_smem.value}
 
@@ -237,8 +234,8 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
     the launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel, with the
     calls that launch it. None for a library from sources without that entry point."""
     try:
-        L = ctypes.CDLL(str(lib))
-    except OSError as e:  # what verify and bench would meet too: the build is not usable
+        L = cabi.load(lib)
+    except cabi.LoadError as e:  # what verify and bench would meet too: the build is not usable
         raise CheckFailed(f"the built library does not load: {e}") from None
     ask = launch_plan_entry(L)
     if ask is None:

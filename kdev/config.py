@@ -14,21 +14,16 @@ from typing import Any
 
 import yaml
 
+from kdev import cabi
 from kdev.errors import BadInput
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 
-# Contract limits (DESIGN.md §2/§3). The kernels' own limit is kdtree_max_qlen(); these are the
-# reference's bounds on what a suite may ask for.
-LATENT_DIM = 512
-ROPE_DIM = 64
-QK_DIM = LATENT_DIM + ROPE_DIM
-MAX_BUDGET = 1024  # T = 1 + N <= 1025 rows per request
-MAX_DEPTH = 15  # block size 16
-MAX_PREFIX = 256 * 1024
+# The contract's limits, as kernels/include/kdev/kdtree.h states them (read by kdev/cabi.py).
+LATENT_DIM, ROPE_DIM, QK_DIM = cabi.LATENT_DIM, cabi.ROPE_DIM, cabi.QK_DIM
+MAX_BUDGET, MAX_DEPTH, MAX_PREFIX = cabi.MAX_BUDGET, cabi.MAX_DEPTH, cabi.MAX_PREFIX
 TREE_KINDS = ("ddtree", "chain", "star", "random")
-PAGE_SIZES = (1, 64)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -300,7 +295,8 @@ def load_suites(path: str | Path | None = None) -> dict[str, SuiteSpec]:
             cases.append(CaseSpec(
                 name=name, prefix_lens=tuple(prefix_lens), tree=tree,
                 heads=c.positive_int("heads", maximum=128),
-                page_size=c.get("page_size", int, 1, lambda v: v in PAGE_SIZES, f"must be one of {PAGE_SIZES}"),
+                page_size=c.get("page_size", int, 1, lambda v: cabi.page_size_problem(v) is None,
+                                f"must be a power of two in 1..{cabi.MAX_PAGE_SIZE} (kdtree.h's page rule)"),
                 seed=c.get("seed", int, check=lambda v: v >= 0, check_msg="must be >= 0"),
                 model=c.get("model", str, default_model),
                 tolerances=_tolerances(c.sub("tolerances", {}), suite_tol),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kdev import cabi
 from kdev.config import MAX_DEPTH
 
 
@@ -190,7 +191,8 @@ def compact_kv(kv_cache: np.ndarray, page_table_row: np.ndarray, prefix_len: int
     page_size = kv_cache.shape[1]
 
     def loc(pos):
-        return int(page_table_row[pos // page_size]), pos % page_size
+        page, offset = cabi.kv_page_offset(page_table_row, pos, page_size)
+        return int(page), offset
 
     rows = [kv_cache[loc(prefix_len + int(a))].copy() for a in accepted]
     for i, row in enumerate(rows):

@@ -8,13 +8,13 @@ through an NVML layer that tests replace with a fake; production uses nvidia-ml-
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
 import json
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kdev import cabi
 from kdev.config import _arch_ok, _Reader, load_yaml
 from kdev.errors import BadInput
 from kdev.fsutil import read_json_record
@@ -115,10 +115,8 @@ def library_info(repo: Path) -> tuple[Path | None, dict | None, str]:
     if not lib.is_file():
         return lib, None, f"{lib} is missing: run 'kdev build'"
     try:
-        dll = ctypes.CDLL(str(lib))
-        dll.kdtree_build_info.restype = ctypes.c_char_p
-        return lib, json.loads(dll.kdtree_build_info()), ""
-    except (OSError, AttributeError, ValueError) as e:
+        return lib, cabi.build_info(cabi.load(lib)), ""
+    except (cabi.LoadError, AttributeError, ValueError) as e:
         return lib, None, f"{lib}: cannot read its build info: {e}"
 
 

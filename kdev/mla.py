@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from kdev import cabi
 from kdev.config import LATENT_DIM, QK_DIM, ModelConfig
 
 
@@ -128,8 +129,7 @@ def gather_kv(kv_cache: torch.Tensor, page_table_row: torch.Tensor, length: int)
     """Logical rows 0..length-1 of one request from the paged cache [pages, page_size, 576]."""
     page_size = kv_cache.shape[1]
     pos = torch.arange(length, device=kv_cache.device)
-    pages = page_table_row.to(kv_cache.device).long()[pos // page_size]
-    return kv_cache[pages, pos % page_size]
+    return kv_cache[cabi.kv_page_offset(page_table_row.to(kv_cache.device).long(), pos, page_size)]
 
 
 def reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,

@@ -22,23 +22,22 @@ split count, the narrow split count the planner's rule would take with it.
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kdev import bench
+from kdev import bench, cabi
 from kdev.build import launch_plan_entry
 from kdev.config import REPO_ROOT, GpuSpec, load_gpus
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import read_json_record
 
-BLOCK_M, BLOCK_N, NARROW_ROWS = 64, 32, 16  # flash_plan.cuh: rows per full tile, tokens per KV tile, narrow tile rows
-THREADS = 256  # 8 warps per flash CTA
+BLOCK_M, BLOCK_N, NARROW_ROWS = cabi.BLOCK_M, cabi.BLOCK_N, cabi.NARROW_ROWS  # kdtree.h's flash tiling
+THREADS = cabi.FLASH_THREADS
 RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
-KV_ROW_BYTES = 576 * 2
+KV_ROW_BYTES = cabi.QK_DIM * 2
 CALLS = ("flash", "flash-portable")
-MAX_SPLITS_ASKED = 256  # past the combine's cap (kMaxSplits): the library answers infinity there
+MAX_SPLITS_ASKED = 2 * cabi.MAX_SPLITS  # past the combine's cap: the library answers infinity there
 PLAN_ABI = 3  # kdtree_abi_version from which kdtree_flash_plan's narrow output is the narrow tiles' own split count
 
 
@@ -132,34 +131,26 @@ def plan_target(value: str, option: str = "--plan-gpu") -> PlanTarget:
 
 # -------------------------------------------------------------------------------------------- library
 class PlanLibrary:
-    """The library's plan entry points (host code only: loading it needs no GPU) and its build record. Bound here and in
-    build.py (kdtree_flash_launch_plan: launch_plan_entry) rather than in abi.py, which needs torch: a plan needs no
-    GPU stack."""
+    """The library's plan entry points (host code only: loading it needs no GPU) and its build record, through cabi (no
+    torch: a plan needs no GPU stack)."""
 
     def __init__(self, path: Path):
         if not path.exists():  # a path given wrongly is bad input; one that exists and will not load, environment
             raise BadInput(f"{path}: no such library")
         try:
-            L = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise EnvironmentMissing(f"{path}: does not load: {e}") from None
+            L = cabi.load(path)
+        except cabi.LoadError as e:
+            raise EnvironmentMissing(str(e)) from None
         self.launch_plan = launch_plan_entry(L, error=BadInput)
         if not hasattr(L, "kdtree_flash_plan") or self.launch_plan is None:
             raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
-        L.kdtree_abi_version.restype = ctypes.c_int
         if L.kdtree_abi_version() < PLAN_ABI:  # its narrow figure is another quantity (splits per narrow CTA)
             raise EnvironmentMissing(f"{path}: ABI {L.kdtree_abi_version()} plans the narrow tiles another way (ABI "
                                      f"{PLAN_ABI} needed): run 'kdev build'")
-        i, n, s = ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t)
-        L.kdtree_flash_plan.argtypes = [i] * 7 + [n, n, n, n, s]
         # a library from before the planner's costs were exposed still plans; only --costs needs the entry
         self.has_costs = hasattr(L, "kdtree_flash_split_cost")
-        if self.has_costs:
-            L.kdtree_flash_split_cost.argtypes = [i] * 8 + [ctypes.POINTER(ctypes.c_double)]
-        L.kdtree_last_error.restype = ctypes.c_char_p
-        L.kdtree_build_info.restype = ctypes.c_char_p
         self.lib, self.path = L, path
-        self.build_info = json.loads(L.kdtree_build_info().decode())
+        self.build_info = cabi.build_info(L)
         record = path.parent / "build.json"
         rec = read_json_record(record, ("resources",))  # none, or a damaged one: CTAs per SM are then not known
         self.resources = rec["resources"] if rec is not None else None
@@ -174,7 +165,7 @@ class PlanLibrary:
         return f"{self.path} was built from sources {built[:12]}, kernels/ is now {now[:12]}: run 'kdev build'"
 
     def _fail(self, fn: str) -> BadInput:
-        return BadInput(f"{fn}: {self.lib.kdtree_last_error().decode(errors='replace')}")
+        return BadInput(f"{fn}: {cabi.last_error(self.lib)}")
 
     def split_plan(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int, gpu: GpuSpec) -> dict:
         out = [ctypes.c_int() for _ in range(4)]
@@ -285,7 +276,7 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
     T, H, B, L = shape.T, shape.heads, shape.batch, shape.prefix
     kv_len = L + T
     p = lib.split_plan(B, B * T, H, T, kv_len, gpu)
-    tensor_copy = gpu.major >= 9 and shape.page_size >= BLOCK_N
+    tensor_copy = gpu.major >= 9 and shape.page_size >= cabi.TENSOR_COPY_MIN_PAGE
     k = lib.kernels(gpu, tensor_copy, call == "flash-portable")
     narrow = 1 if p["narrow_splits"] else 0
     full_tiles = p["row_tiles"] - narrow

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdev import abi, ddtree, vectors
+from kdev import abi, cabi, ddtree, vectors
 from kdev.compare import Comparison, compare
 from kdev.config import (DEFAULT_TOLERANCES, LATENT_DIM, REPO_ROOT, CaseSpec, Tolerance, Tolerances, TreeSpec)
 from kdev.fsutil import atomic_write_bytes
@@ -215,8 +215,9 @@ def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict
         for b in range(B):
             L = int(tensors["prefix_lens"][b])
             for pos in range(L, L + int(tensors["accept_len"][b])):
-                pages.append(int(tensors["page_table"][b, pos // ps]))
-                slots.append(pos % ps)
+                page, offset = cabi.kv_page_offset(tensors["page_table"][b], pos, ps)
+                pages.append(int(page))
+                slots.append(offset)
         r = len(pages)
         if r:  # slots are distinct, so one indexed write is the same as the row-by-row one
             want[torch.tensor(pages, device=device), torch.tensor(slots, device=device)] = t["compact_rows"]

@@ -1,6 +1,6 @@
 // The C ABI: the only seam between Python (ctypes) and the kernels.
 //
-// Every entry point returns an int status (KDTREE_OK, or KDTREE_ERR_* from verify_attn.cuh) and leaves a
+// Every entry point returns an int status (KDTREE_OK, or KDTREE_ERR_* from kdtree.h) and leaves a
 // message for kdtree_last_error() (per calling thread). All arguments are validated before any launch:
 // a call with bad arguments launches nothing. No entry point allocates or synchronises with the host, so
 // every call can be captured in a CUDA graph; split-KV scratch space comes from the caller.
@@ -15,6 +15,7 @@
 
 #include "kdev/ddtree.cuh"
 #include "kdev/flash_plan.cuh"
+#include "kdev/kdtree.h"
 #include "kdev/verify_attn.cuh"
 
 namespace {
@@ -54,6 +55,12 @@ int check_params_struct(const Params* p) {
   return KDTREE_OK;
 }
 
+// The page rule (kdtree.h), for every entry point that takes a paged cache.
+int check_page_size(int page_size) {
+  if (!KDTREE_PAGE_SIZE_OK(page_size)) return fail(KDTREE_ERR_INVALID, "page_size %d " KDTREE_PAGE_SIZE_RULE, page_size);
+  return KDTREE_OK;
+}
+
 // The shape bounds of a verify call, which the flash plan depends on (also checked alone by kdtree_flash_plan).
 int validate_shape(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len) {
   if (batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", batch);
@@ -87,8 +94,7 @@ int validate(const VerifyAttnParams* p) {
   const int need_words = (p->max_qlen + 63) / 64;
   if (p->mask_words < need_words)
     return fail(KDTREE_ERR_INVALID, "mask_words %d < ceil(max_qlen / 64) = %d", p->mask_words, need_words);
-  if (p->page_size < 1 || p->page_size > 4096 || (p->page_size & (p->page_size - 1)) != 0)
-    return fail(KDTREE_ERR_INVALID, "page_size %d is not a power of two in 1..4096", p->page_size);
+  if (int st = check_page_size(p->page_size)) return st;
   if (p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "num_pages %d < 1", p->num_pages);
   if (p->max_pages < 1 || (long long)p->max_pages * p->page_size < p->max_kv_len)
     return fail(KDTREE_ERR_INVALID, "max_pages %d x page_size %d cannot hold max_kv_len %d", p->max_pages,
@@ -309,8 +315,7 @@ int kdtree_compact_kv(const CompactParams* p, cudaStream_t stream) {
   if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
   if (p->t_stride < 1 || p->t_stride > KDTREE_MAX_QLEN)
     return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
-  if (p->page_size < 1 || (p->page_size & (p->page_size - 1)) != 0)
-    return fail(KDTREE_ERR_INVALID, "page_size %d is not a power of two", p->page_size);
+  if (int st = check_page_size(p->page_size)) return st;
   if (p->max_pages < 1 || p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "max_pages / num_pages < 1");
   if (int st = check_ptrs({{p->kv_cache, "kv_cache"}}, 16)) return st;
   if (int st = check_ptrs({{p->page_table, "page_table"}, {p->prefix_lens, "prefix_lens"}, {p->accepted, "accepted"},

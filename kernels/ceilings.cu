@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kdev/kdtree.h"
 #include "kdev/kv_tensor_map.cuh"
 #include "kdev/mbarrier.cuh"
 #include "kdev/mma_sync.cuh"
@@ -45,12 +46,12 @@ __global__ void __launch_bounds__(256) mma_peak_kernel(int iters, float* sink) {
 
 extern "C" {
 
-// Launch `blocks` CTAs of 256 threads, each warp issuing iters * kChains mma.sync. Returns a status
-// (0 ok, 1 invalid argument, 2 CUDA error); FLOPs done = blocks * 8 * iters * kChains * 4096.
+// Launch `blocks` CTAs of 256 threads, each warp issuing iters * kChains mma.sync. Returns a status (kdtree.h);
+// FLOPs done = blocks * 8 * iters * kChains * 4096.
 int kdtree_bench_mma_peak(int blocks, int iters, float* sink, cudaStream_t stream) {
-  if (blocks < 1 || iters < 1 || sink == nullptr) return 1;
+  if (blocks < 1 || iters < 1 || sink == nullptr) return KDTREE_ERR_INVALID;
   mma_peak_kernel<<<blocks, 256, 0, stream>>>(iters, sink);
-  return cudaGetLastError() == cudaSuccess ? 0 : 2;
+  return cudaGetLastError() == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
 }
 
 int kdtree_bench_mma_chains(void) { return kChains; }
@@ -623,37 +624,39 @@ int kdtree_bench_loop_tile_bytes(int i) { return i >= 0 && i < kNumInnerLoops ? 
 // launch). Status as kdtree_bench_loop.
 static int write_loop_tensor_map(const void* src, size_t rows, cudaStream_t stream) {
   CUtensorMap map;
-  if (!kdtree::encode_kv_tensor_map(src, rows, kLoopTileTokens, &map)) return 3;  // no encoder, or `src` refused
+  if (!kdtree::encode_kv_tensor_map(src, rows, kLoopTileTokens, &map))
+    return KDTREE_ERR_UNSUPPORTED;  // no encoder, or `src` refused
   // the map is copied from host memory before this call returns, so `map` may go out of scope
   return cudaMemcpyToSymbolAsync(g_loop_tensor_map, &map, sizeof(map), 0, cudaMemcpyHostToDevice, stream) ==
                  cudaSuccess
-             ? 0
-             : 2;
+             ? KDTREE_OK
+             : KDTREE_ERR_CUDA;
 }
 
 // Launch inner loop `i` as one CTA per SM (`blocks` = the SM count; the dynamic shared memory is sized so
 // that no second CTA fits), each warp running `tiles` 32-token tiles; the gathering loops read `src`, which
-// must hold `src_bytes` >= 36,864 (one tile) of bf16. Status 0 ok, 1 invalid argument, 2 CUDA error,
-// 3 this GPU cannot run the loop: its buffers exceed the shared memory per block (the 3- and 4-stage loops
+// must hold `src_bytes` >= 36,864 (one tile) of bf16. Status as kdtree.h: KDTREE_ERR_UNSUPPORTED where this GPU
+// cannot run the loop: its buffers exceed the shared memory per block (the 3- and 4-stage loops
 // on sm_120), or it uses bulk or tensor copies and the GPU is older than sm_90 (or its driver has no tensor
 // map encoder, or the encoder refuses `src`, e.g. not 16-byte aligned).
 // FLOPs done = blocks * warps * tiles * mma_per_tile * 4096.
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       cudaStream_t stream) {
-  if (i < 0 || i >= kNumInnerLoops || blocks < 1 || tiles < 1 || sink == nullptr) return 1;
+  if (i < 0 || i >= kNumInnerLoops || blocks < 1 || tiles < 1 || sink == nullptr) return KDTREE_ERR_INVALID;
   const InnerLoop& loop = kInnerLoops[i];
   const size_t tile_src_bytes = (size_t)kLoopTileTokens * kLoopRowBytes;
-  if (loop.copy_bytes && (src == nullptr || src_bytes < tile_src_bytes)) return 1;
+  if (loop.copy_bytes && (src == nullptr || src_bytes < tile_src_bytes)) return KDTREE_ERR_INVALID;
   int dev = 0, per_sm = 0, opt_in = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return 2;
+    return KDTREE_ERR_CUDA;
   int smem = per_sm / 2 + 1024;  // more than half the SM: one CTA per SM
   if (smem < loop.smem_bytes) smem = loop.smem_bytes;
-  if (smem > opt_in || (loop.bulk && major < 9)) return 3;
-  if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 2;
+  if (smem > opt_in || (loop.bulk && major < 9)) return KDTREE_ERR_UNSUPPORTED;
+  if (cudaFuncSetAttribute(loop.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return KDTREE_ERR_CUDA;
   const int src_tiles = loop.copy_bytes ? (int)(src_bytes / tile_src_bytes) : 1;
   if (loop.tensor_map) {
     const int st = write_loop_tensor_map(src, (size_t)src_tiles * kLoopTileTokens, stream);
@@ -661,7 +664,7 @@ int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_
   }
   loop.kernel<<<blocks, loop.warps * 32, smem, stream>>>(tiles, static_cast<const __nv_bfloat16*>(src), src_tiles,
                                                          sink);
-  return cudaGetLastError() == cudaSuccess ? 0 : 2;
+  return cudaGetLastError() == cudaSuccess ? KDTREE_OK : KDTREE_ERR_CUDA;
 }
 
 }  // extern "C"

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kdev/ddtree.cuh"
+#include "kdev/kv_pages.cuh"
 #include "kdev/verify_attn.cuh"
 
 namespace kdtree {
@@ -266,11 +267,11 @@ __global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(CompactPara
   const int b = blockIdx.x;
   const int n = p.accept_len[b];
   const int L = p.prefix_lens[b];
-  const int32_t* pages = p.page_table + (size_t)b * p.max_pages;
+  const KvPages pages = kv_pages(p.page_table, p.max_pages, b, p.page_size);
   const int32_t* acc = p.accepted + (size_t)b * p.t_stride;
   uint4* kv = static_cast<uint4*>(p.kv_cache);
   auto slot = [&](int pos) -> size_t {
-    return ((size_t)pages[pos / p.page_size] * p.page_size + pos % p.page_size) * kVecs;
+    return kv_slot<size_t>(pages, pos) * kVecs;
   };
   for (int c0 = 0; c0 < n; c0 += kCompactChunk) {
     const int rows_here = n - c0 < kCompactChunk ? n - c0 : kCompactChunk;

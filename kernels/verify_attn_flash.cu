@@ -65,6 +65,7 @@
 #include <type_traits>
 
 #include "kdev/flash_plan.cuh"
+#include "kdev/kv_pages.cuh"
 #include "kdev/kv_tensor_map.cuh"
 #include "kdev/mbarrier.cuh"
 #include "kdev/mma_sync.cuh"
@@ -75,6 +76,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
+static_assert(kThreads == KDTREE_FLASH_THREADS, "kdtree.h states the flash CTA size");
 constexpr int kBoxDims = kKvBoxDims;           // dims per 128-byte box row
 constexpr int kBoxes = KDTREE_QK_DIM / kBoxDims;  // 9
 constexpr unsigned kBoxBytes = kBlockN * kBoxDims * 2;  // 4,096 B: one box of the tile
@@ -401,18 +403,13 @@ __device__ __forceinline__ int split_chunk(int kv_len, int num_splits) {
   return (chunk + kBlockN - 1) / kBlockN * kBlockN;
 }
 
-__device__ __forceinline__ int log2_of_pow2(int x) { return __ffs(x) - 1; }
-
-// Where a CTA's KV tiles come from: request b's page-table row and the pool.
+// Where a CTA's KV tiles come from: request b's pages and the pool.
 struct KvSource {
   const __nv_bfloat16* kv;
-  const int32_t* page_row;
-  int page_shift, page_mask;
+  KvPages pages;
 };
 __device__ __forceinline__ KvSource kv_source(const VerifyAttnParams& p, int b) {
-  // page sizes are powers of two (checked in capi.cu)
-  return {static_cast<const __nv_bfloat16*>(p.kv_cache), p.page_table + (size_t)b * p.max_pages,
-          log2_of_pow2(p.page_size), p.page_size - 1};
+  return {static_cast<const __nv_bfloat16*>(p.kv_cache), kv_pages(p.page_table, p.max_pages, b, p.page_size)};
 }
 
 // The tensor copies' "landed" barriers, one per KV buffer; every thread calls it (a block barrier follows).
@@ -433,7 +430,7 @@ __device__ __forceinline__ void init_landed_barriers(unsigned landed) {
 // The KV pool row of the tile at `start` (one page holds it: pages hold >= 32 tokens and tiles start at multiples of 32
 // inside the request's range).
 __device__ __forceinline__ int kv_tile_row(const KvSource& src_kv, int start) {
-  return (src_kv.page_row[start >> src_kv.page_shift] << src_kv.page_shift) + (start & src_kv.page_mask);
+  return kv_slot<int>(src_kv.pages, start);
 }
 
 // The tensor copy of a full tile at `start` into buffer buf: lane 0 of the calling warp arms the buffer's landed
@@ -470,8 +467,7 @@ __device__ __forceinline__ void load_kv_tile(const KvSource& src_kv, const CUten
     const bool ok = pos < kv_end;
     const __nv_bfloat16* src = src_kv.kv;  // any valid address; zero bytes are read when !ok
     if (ok)
-      src = src_kv.kv + (((size_t)src_kv.page_row[pos >> src_kv.page_shift] << src_kv.page_shift) +
-                         (pos & src_kv.page_mask)) * KDTREE_QK_DIM;
+      src = src_kv.kv + kv_slot<size_t>(src_kv.pages, pos) * KDTREE_QK_DIM;
 #pragma unroll
     for (int ch = lane; ch < kChunksPerRow; ch += 32)
       cp_async_16(kv_smem + buf * kBufBytes + kv_chunk_offset(r, ch), src + ch * 8, ok ? 16 : 0);
@@ -1225,7 +1221,7 @@ int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, 
 // aligned); the cp.async path then runs.
 static bool encode_kv_map(const VerifyAttnParams& p, CUtensorMap* map) {
   const uint64_t rows = (uint64_t)p.num_pages * p.page_size;
-  return p.page_size >= kBlockN && encode_kv_tile_tensor_map(p.kv_cache, rows, kBlockN, map);
+  return p.page_size >= KDTREE_FLASH_TENSOR_COPY_MIN_PAGE && encode_kv_tile_tensor_map(p.kv_cache, rows, kBlockN, map);
 }
 
 // Launches `kernel` on `grid` behind the previous launch in the stream: programmatically (it may start once every

@@ -113,7 +113,7 @@ def test_a_library_not_built_is_environment_and_one_named_wrongly_is_bad_input(t
     with pytest.raises(BadInput, match="no such library"):
         abi.Library(tmp_path / "nope.so")
     (tmp_path / "not-a-library.so").write_text("text")
-    with pytest.raises(EnvironmentMissing, match="cannot load"):
+    with pytest.raises(EnvironmentMissing, match="does not load"):
         abi.Library(tmp_path / "not-a-library.so")
 
 

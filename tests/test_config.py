@@ -33,7 +33,7 @@ def test_committed_suites_load():
         ("{name: a, prefix_lens: [1], tree: {kind: ddtree, budget: 2048, depth: 3}, heads: 8, seed: 1}", "tree.budget: must be in 1..1024"),
         ("{name: a, prefix_lens: [1], tree: {kind: ddtree, budget: 16, depth: 16}, heads: 8, seed: 1}", "tree.depth: must be in 1..15"),
         ("{name: a, prefix_lens: [1], tree: {kind: tree, nodes: 3}, heads: 8, seed: 1}", "tree.kind: must be one of"),
-        ("{name: a, prefix_lens: [1], tree: {kind: chain, nodes: 3}, heads: 8, page_size: 16, seed: 1}", "page_size"),
+        ("{name: a, prefix_lens: [1], tree: {kind: chain, nodes: 3}, heads: 8, page_size: 24, seed: 1}", "page_size"),
         ("{name: a, prefix_lens: [1], tree: {kind: chain, nodes: 3}, heads: 0, seed: 1}", "heads: must be in"),
     ],
 )

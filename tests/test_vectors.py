@@ -50,6 +50,34 @@ def test_refuses_overwrite_without_force(tiny):
     assert sorted(p.name for p in root.iterdir()) == ["tiny"]  # no temp folders left
 
 
+def _rewrite_case(root, entry, tensors):
+    meta = {"kdev": vectors.json.dumps({"case": entry["name"], "schema_version": vectors.SCHEMA_VERSION},
+                                       sort_keys=True)}
+    data = vectors.st_save(tensors, metadata=meta)
+    (root / "tiny" / entry["file"]).write_bytes(data)
+    return data
+
+
+def test_force_over_a_matching_suite_keeps_its_files_and_rewrites_a_wrong_one(tiny):
+    """Goldens one ulp apart, as another CPU computes them, are the same case: --force keeps the committed bytes (a
+    git checkout stays clean); a wrong input is rewritten."""
+    spec, root = tiny
+    suite = vectors.open_suite(str(root / "tiny"))
+    a, b = suite.cases
+    ta, tb = suite.load_case(a), suite.load_case(b)
+    ta["lse"] = ta["lse"].clone()
+    ta["lse"].view(-1)[0] = torch.nextafter(ta["lse"].view(-1)[0], torch.tensor(float("inf"), dtype=ta["lse"].dtype))
+    one_ulp = _rewrite_case(root, a, ta)
+    tb["q"][0, 0, 0] += 1.0
+    wrong = _rewrite_case(root, b, tb)
+    vectors.write_suite(spec, root, force=True)
+    assert (root / "tiny" / a["file"]).read_bytes() == one_ulp
+    assert (root / "tiny" / b["file"]).read_bytes() != wrong
+    suite = vectors.open_suite(str(root / "tiny"))
+    suite.check_integrity()  # the manifest names the bytes kept
+    assert vectors.check_suite(spec, suite) == []
+
+
 def test_tampered_and_truncated_refused(tiny):
     _, root = tiny
     suite = vectors.open_suite(str(root / "tiny"))

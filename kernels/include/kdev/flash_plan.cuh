@@ -7,9 +7,8 @@
 #include <cmath>
 #include <cstddef>
 
-#ifndef KDTREE_V_DIM
-#define KDTREE_V_DIM 512  // value row: the latent (verify_attn.cuh)
-#endif
+#include "kdev/kdtree.h"
+
 #ifdef __CUDACC__
 #define KDTREE_HOST_DEVICE __host__ __device__
 #else
@@ -18,10 +17,12 @@
 
 namespace kdtree {
 
-constexpr int kBlockM = 64;      // rows (node x head) per CTA of the full-tile kernel
-constexpr int kBlockN = 32;      // KV tokens per tile
-constexpr int kNarrowRows = 16;  // a last row tile of at most this many rows runs in the narrow kernel
-constexpr int kMaxSplits = 128;  // the combine kernel's weights hold this many splits (four per lane of its warp 0)
+// The tiling, as kdtree.h states it for callers (the combine kernel's weights hold kMaxSplits: four per lane of its
+// warp 0).
+constexpr int kBlockM = KDTREE_FLASH_BLOCK_M;
+constexpr int kBlockN = KDTREE_FLASH_BLOCK_N;
+constexpr int kNarrowRows = KDTREE_FLASH_NARROW_ROWS;
+constexpr int kMaxSplits = KDTREE_FLASH_MAX_SPLITS;
 // A narrow tile's time over a full tile's: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow CTA over two
 // splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
 constexpr double kNarrowTileCost = 0.5;

@@ -1,63 +1,11 @@
-// VerifyAttnParams: the one argument struct every tree-verify attention kernel takes (naive and flash),
-// and the C ABI's view of a call. Layouts follow the kernel contract:
-//   q           [total_q, num_heads, 576] bf16   absorbed queries: 512 latent, then 64 RoPE'd
-//   kv_cache    [num_pages, page_size, 576] bf16 rows of 512 latent (c_kv) then 64 RoPE'd k_pe; V = first 512
-//   page_table  [batch, max_pages] int32         logical page -> physical page
-//   prefix_lens [batch] int32                    tokens before the tree
-//   q_indptr    [batch + 1] int32                tree node ranges per request (T_b = q_indptr[b+1] - q_indptr[b])
-//   tree_mask   [total_q, mask_words] uint64     bit j of node i's row: node j is an ancestor-or-self of i
-//   out         [total_q, num_heads, 512] bf16   attention output in latent space
-//   lse         [total_q, num_heads] fp32        natural-log sum of exp(scale * score)
-// The tree's own K/V rows sit at logical positions prefix_lens[b] + i. Node i attends to every prefix
-// position and to tree position j iff bit j of its mask row is set.
+// VerifyAttnParams, the status codes and the contract's constants are in kdtree.h (the public C interface); this
+// header adds the verify launchers that capi.cu calls after validating.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#define KDTREE_QK_DIM 576
-#define KDTREE_V_DIM 512
-#define KDTREE_MAX_QLEN 1025  // 1 root + a budget of 1024 nodes
-#define KDTREE_MAX_HEADS 128
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-typedef struct VerifyAttnParams {
-  uint32_t struct_size;  // sizeof(VerifyAttnParams) as the caller sees it: catches a stale binding
-  int32_t batch;
-  int32_t total_q;       // N_q = q_indptr[batch]
-  int32_t num_heads;
-  int32_t max_qlen;      // >= every T_b (host-side bound: sizes the grid)
-  int32_t mask_words;    // W >= ceil(max_qlen / 64)
-  int32_t num_pages;
-  int32_t page_size;
-  int32_t max_pages;     // page_table row stride
-  int32_t max_kv_len;    // >= every prefix_lens[b] + T_b (host-side bound: plans the KV split)
-  float scale;           // softmax scale (YaRN-adjusted)
-  int32_t plan_sm_count;  // 0: plan the flash launch for this GPU's SMs; > 0: as for a GPU of that many (ABI 2)
-  const void* q;
-  const void* kv_cache;
-  const int32_t* page_table;
-  const int32_t* prefix_lens;
-  const int32_t* q_indptr;
-  const uint64_t* tree_mask;
-  void* out;
-  float* lse;
-  void* workspace;          // flash split-KV partials; NULL when the planned split count is 1
-  size_t workspace_bytes;
-} VerifyAttnParams;
-
-#ifdef __cplusplus
-}
-#endif
-
-// Status codes returned by every entry point.
-#define KDTREE_OK 0
-#define KDTREE_ERR_INVALID 1      // bad argument: nothing was launched
-#define KDTREE_ERR_CUDA 2         // a CUDA call or launch failed
-#define KDTREE_ERR_WORKSPACE 3    // workspace missing or too small: nothing was launched
+#include "kdev/kdtree.h"
 
 #ifdef __CUDACC__
 namespace kdtree {

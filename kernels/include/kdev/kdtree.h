@@ -1,0 +1,191 @@
+/* libkdtree: the public C interface of the tree-verify kernels for absorbed MLA.
+ *
+ * The one statement of the contract a caller binds to: shape limits, the page rule, the flash tiling constants a
+ * planner or a report needs, the status codes, the params structs and every exported function. kdev's Python side
+ * reads the constants and the structs from this file (kdev/cabi.py) and a test compiles it to compare every field's
+ * offset with the binding (tests/test_cabi.py); nothing here is restated by hand elsewhere. Plain C, so that a server
+ * written in C, C++ or Rust includes it as it is; docs/architecture.md explains the contract.
+ *
+ * Layouts of a verify call (all device memory, row-major, contiguous):
+ *   q           [total_q, num_heads, 576] bf16   absorbed queries: 512 latent, then 64 RoPE'd
+ *   kv_cache    [num_pages, page_size, 576] bf16 rows of 512 latent (c_kv) then 64 RoPE'd k_pe; V = first 512
+ *   page_table  [batch, max_pages] int32         logical page -> physical page
+ *   prefix_lens [batch] int32                    tokens before the tree
+ *   q_indptr    [batch + 1] int32                tree node ranges per request (T_b = q_indptr[b+1] - q_indptr[b])
+ *   tree_mask   [total_q, mask_words] uint64     bit j of node i's row: node j is an ancestor-or-self of i
+ *   out         [total_q, num_heads, 512] bf16   attention output in latent space
+ *   lse         [total_q, num_heads] fp32        natural-log sum of exp(scale * score)
+ * The tree's own K/V rows sit at logical positions prefix_lens[b] + i. Node i attends to every prefix position and to
+ * tree position j iff bit j of its mask row is set. Logical position pos of request b lives in pool row (slot)
+ *   page_table[b][pos / page_size] * page_size + pos % page_size
+ * (KDTREE_KV_SLOT below; kernels use the shift form, the same number for the page sizes the page rule allows).
+ */
+#ifndef KDEV_KDTREE_H
+#define KDEV_KDTREE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------------------------- the contract */
+#define KDTREE_LATENT_DIM 512   /* c_kv: the value row, and the first part of a query / key row */
+#define KDTREE_ROPE_DIM 64      /* k_pe / q_pe: the rest of a query / key row */
+#define KDTREE_QK_DIM 576       /* KDTREE_LATENT_DIM + KDTREE_ROPE_DIM */
+#define KDTREE_V_DIM 512        /* KDTREE_LATENT_DIM */
+#define KDTREE_MAX_QLEN 1025    /* rows per request: 1 root + a budget of 1024 nodes */
+#define KDTREE_MAX_HEADS 128    /* query heads sharing the one latent KV head */
+#define KDTREE_MAX_PREFIX 262144 /* tokens before a tree (the golden vectors' bound and the plan's) */
+#define KDTREE_MAX_DEPTH 15     /* drafter depths of a DDTree (block size 16) */
+#define KDTREE_MAX_TOPK 1024    /* log-probs per depth */
+
+/* The page rule: a page holds a power of two of tokens, 1 to KDTREE_MAX_PAGE_SIZE. Every entry point that takes a
+ * paged cache checks it (KDTREE_PAGE_SIZE_OK) and refuses with KDTREE_PAGE_SIZE_RULE's words. */
+#define KDTREE_MAX_PAGE_SIZE 4096
+#define KDTREE_PAGE_SIZE_OK(n) ((n) >= 1 && (n) <= KDTREE_MAX_PAGE_SIZE && ((n) & ((n) - 1)) == 0)
+#define KDTREE_PAGE_SIZE_RULE "is not a power of two in 1..4096"
+#define KDTREE_KV_SLOT(page_row, pos, page_size) \
+  ((size_t)(page_row)[(pos) / (page_size)] * (size_t)(page_size) + (size_t)((pos) % (page_size)))
+
+/* The flash call's tiling (kernels/include/kdev/flash_plan.cuh takes it from here). */
+#define KDTREE_FLASH_BLOCK_M 64       /* rows (node x head) per CTA of the full-tile kernels */
+#define KDTREE_FLASH_BLOCK_N 32       /* KV tokens per tile */
+#define KDTREE_FLASH_NARROW_ROWS 16   /* a request's last row tile of at most this many rows runs in the narrow kernel */
+#define KDTREE_FLASH_MAX_SPLITS 128   /* KV splits the combine kernel can merge */
+#define KDTREE_FLASH_THREADS 256      /* threads per flash CTA (8 warps) */
+#define KDTREE_FLASH_TENSOR_COPY_MIN_PAGE KDTREE_FLASH_BLOCK_N /* pages of >= this many tokens: a tile is one copy */
+
+/* ------------------------------------------------------------------------------------------- status codes */
+/* Every int-returning entry point returns one of these and leaves a message for kdtree_last_error(). */
+#define KDTREE_OK 0               /* ok */
+#define KDTREE_ERR_INVALID 1      /* invalid argument: nothing was launched */
+#define KDTREE_ERR_CUDA 2         /* CUDA error: a CUDA call or launch failed */
+#define KDTREE_ERR_WORKSPACE 3    /* workspace missing or too small: nothing was launched */
+#define KDTREE_ERR_UNSUPPORTED 4  /* not on this GPU: its shared memory per block or its arch cannot run it */
+
+/* A CUDA stream, as the runtime's cudaStream_t (the same type) without including the CUDA headers. */
+typedef struct CUstream_st* kdtree_stream_t;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------- params structs */
+/* Every struct starts with struct_size = sizeof(the struct) as the caller sees it: a stale binding is refused. */
+
+typedef struct VerifyAttnParams {
+  uint32_t struct_size;
+  int32_t batch;
+  int32_t total_q;       /* N_q = q_indptr[batch] */
+  int32_t num_heads;
+  int32_t max_qlen;      /* >= every T_b (host-side bound: sizes the grid) */
+  int32_t mask_words;    /* W >= ceil(max_qlen / 64) */
+  int32_t num_pages;
+  int32_t page_size;     /* the page rule */
+  int32_t max_pages;     /* page_table row stride */
+  int32_t max_kv_len;    /* >= every prefix_lens[b] + T_b (host-side bound: plans the KV split) */
+  float scale;           /* softmax scale (YaRN-adjusted) */
+  int32_t plan_sm_count; /* 0: plan the flash launch for this GPU's SMs; > 0: as for a GPU of that many (ABI 2) */
+  const void* q;
+  const void* kv_cache;
+  const int32_t* page_table;
+  const int32_t* prefix_lens;
+  const int32_t* q_indptr;
+  const uint64_t* tree_mask;
+  void* out;
+  float* lse;
+  void* workspace;       /* flash split-KV partials; NULL when the planned split count is 1 */
+  size_t workspace_bytes;
+} VerifyAttnParams;
+
+/* The DDTree kernels use a padded per-request layout of stride t_stride = 1 + budget rows: request b's node i lives at
+ * row b * t_stride + i, and node_count[b] says how many rows are real. */
+typedef struct DDTreeBuildParams {
+  uint32_t struct_size;
+  int32_t batch;
+  int32_t depth;               /* D: drafter depths 1..D */
+  int32_t topk;                /* K: log-probs per depth (descending) */
+  int32_t budget;              /* N: nodes besides the root */
+  int32_t mask_words;          /* W >= ceil((1 + budget) / 64) */
+  const float* log_probs;      /* [batch, depth, topk] */
+  const int32_t* token_ids;    /* [batch, depth, topk] */
+  const int32_t* root_tokens;  /* [batch] */
+  const int32_t* prefix_lens;  /* [batch] */
+  int32_t* node_tokens;        /* [batch, 1 + budget] */
+  int32_t* parents;            /* [batch, 1 + budget]  (-1 for the root and for padding rows) */
+  int32_t* depths;             /* [batch, 1 + budget] */
+  int32_t* positions;          /* [batch, 1 + budget]  prefix_len + depth */
+  uint64_t* tree_mask;         /* [batch, 1 + budget, mask_words] */
+  int32_t* node_count;         /* [batch] */
+} DDTreeBuildParams;
+
+typedef struct AcceptParams {
+  uint32_t struct_size;
+  int32_t batch;
+  int32_t t_stride;              /* rows per request in the padded layout */
+  const int32_t* node_tokens;    /* [batch, t_stride] */
+  const int32_t* parents;        /* [batch, t_stride] */
+  const int32_t* node_count;     /* [batch] */
+  const int32_t* target_argmax;  /* [batch, t_stride]: the target's argmax token at every node */
+  int32_t* accepted;             /* [batch, t_stride]: accepted node indices, root first; -1 after the end */
+  int32_t* accept_len;           /* [batch] */
+  int32_t* bonus_token;          /* [batch] */
+} AcceptParams;
+
+typedef struct CompactParams {
+  uint32_t struct_size;
+  int32_t batch;
+  int32_t t_stride;
+  int32_t page_size;             /* the page rule */
+  int32_t max_pages;
+  int32_t num_pages;
+  void* kv_cache;                /* [num_pages, page_size, 576] bf16, updated in place */
+  const int32_t* page_table;     /* [batch, max_pages] */
+  const int32_t* prefix_lens;    /* [batch] */
+  const int32_t* accepted;       /* [batch, t_stride] */
+  const int32_t* accept_len;     /* [batch] */
+} CompactParams;
+
+/* ------------------------------------------------------------------------------------------- entry points */
+/* Library facts. */
+int kdtree_abi_version(void);            /* 3 */
+size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
+int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
+const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
+const char* kdtree_build_info(void);     /* provenance JSON: git sha and dirty flag, source hash, nvcc, archs, flags */
+
+/* Tree-verify attention. Nothing allocates or synchronises: every call can be captured in a CUDA graph. */
+int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);           /* the naive oracle */
+int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);     /* tensor cores, split-KV */
+int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t stream); /* sm_120's kernels */
+int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes);
+int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits);
+
+/* The flash call's plan and launches, asked without a GPU. */
+int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
+                             int* full_smem, const char** narrow_kernel, int* narrow_smem);
+int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
+                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits, int* combine_groups,
+                      size_t* workspace_bytes);
+int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
+                            int splits, int narrow_splits, double* cost);
+
+/* DDTree: tree build, greedy accept, KV compaction. */
+int kdtree_build_ddtree(const DDTreeBuildParams* p, kdtree_stream_t stream);
+int kdtree_accept_greedy(const AcceptParams* p, kdtree_stream_t stream);
+int kdtree_compact_kv(const CompactParams* p, kdtree_stream_t stream);
+
+/* Microbenchmarks (kdev bench --ceilings). Status codes as above; KDTREE_ERR_UNSUPPORTED: not on this GPU. */
+int kdtree_bench_mma_peak(int blocks, int iters, float* sink, kdtree_stream_t stream);
+int kdtree_bench_mma_chains(void);
+int kdtree_bench_loop_count(void);
+const char* kdtree_bench_loop_name(int i);
+int kdtree_bench_loop_warps(int i);
+int kdtree_bench_loop_mma_per_tile(int i);
+int kdtree_bench_loop_tile_bytes(int i);
+int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
+                      kdtree_stream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KDEV_KDTREE_H */
