@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -28,7 +29,8 @@ from kdev import __version__
 from kdev import cabi
 from kdev.config import REPO_ROOT, BuildConfig
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
-from kdev.fsutil import atomic_write_bytes, read_json_record
+from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, read_json_record,
+                         remove_dead_writers_temps, temp_name)
 
 KERNEL_DIR = REPO_ROOT / "kernels"
 LIB_NAME = "libkdtree.so"
@@ -57,6 +59,24 @@ def source_hash(kernel_dir: Path = KERNEL_DIR) -> str:
 
 # ------------------------------------------------------------------------------------------- tools
 CUDA_HOMES = ["/usr/local/cuda"]
+
+
+def run_tool_group(cmd: list[str], env: dict) -> tuple[int, str]:
+    """Run a compiler driver in a process group of its own and return (exit status, stdout + stderr). If kdev is
+    interrupted or terminated meanwhile, the whole group (nvcc and the cicc / ptxas it started) is killed before the
+    exception goes on: no compiler runs on as an orphan."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        raise
+    return proc.returncode, out
 
 
 def find_nvcc() -> str:
@@ -394,28 +414,30 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     }
     gen = folder / "build_info.gen.cpp"
     atomic_write_bytes(gen, _build_info_source(info).encode())
-    fd, tmp_lib = tempfile.mkstemp(prefix=".libkdtree.", suffix=".so", dir=folder)
+    remove_dead_writers_temps(folder)  # what a killed build left: its temp library and nvcc's temp folder
+    fd, tmp_lib = tempfile.mkstemp(prefix=temp_name("libkdtree"), suffix=".so", dir=folder)
     os.close(fd)
+    scratch = make_temp_dir(folder, "nvcc")  # nvcc's own temp files (TMPDIR): removed whatever happens
     cu = [str(p) for p in kernel_sources(kernel_dir) if p.suffix == ".cu"]
     cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *cfg.flags, "-Xptxas", "-v", f"-I{kernel_dir / 'include'}",
            *gencode_flags(cfg.archs), "--threads", "0", "-o", tmp_lib, *cu, str(gen)]
     log(f"nvcc {ver}: {len(cu)} sources for {', '.join(cfg.archs)}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
-    text = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        Path(tmp_lib).unlink(missing_ok=True)
-        errors = _compiler_errors(text) or [line for line in text.splitlines() if line.strip()][-5:]
-        for e in errors:
-            log(e)
-        raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); first: {errors[0] if errors else '?'}")
-    # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
-    # would get that one back from the loader
     try:
+        returncode, text = run_tool_group(cmd, {**os.environ, "TMPDIR": str(scratch)})
+        if returncode != 0:
+            errors = _compiler_errors(text) or [line for line in text.splitlines() if line.strip()][-5:]
+            for e in errors:
+                log(e)
+            detail = f"first: {errors[0]}" if errors else f"exit status {returncode}, no output"
+            raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); {detail}")
+        # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
+        # would get that one back from the loader
         launches = flash_launches(tmp_lib, cfg)
-    except CheckFailed:
+        os.chmod(tmp_lib, normal_mode(executable=True))  # mkstemp's 0600: a server's account could not load it
+        os.replace(tmp_lib, lib)
+    finally:
         Path(tmp_lib).unlink(missing_ok=True)
-        raise
-    os.replace(tmp_lib, lib)
+        shutil.rmtree(scratch, ignore_errors=True)
     rows = parse_ptxas(text)
     names = demangle(sorted({r.kernel for r in rows}))
     for r in rows:
@@ -539,7 +561,7 @@ def revision_kernels(ref: str, repo: Path = REPO_ROOT, output_dir: Path | None =
         raise BadInput(f"{ref}: git archive of its kernels/ failed: "
                        f"{(r.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".ab-{sha[:12]}.", dir=dest.parent))
+    tmp = make_temp_dir(dest.parent, f"ab-{sha[:12]}")
     try:
         with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tar:
             tar.extractall(tmp, filter="data")
@@ -561,8 +583,7 @@ def patch_kernels(patch: Path, kernel_dir: Path = KERNEL_DIR, output_dir: Path |
     dest = (output_dir or REPO_ROOT / "build") / f"ab-patch-{digest}"
     if is_kernel_tree(dest / "kernels"):
         return dest / "kernels"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".ab-patch-{digest}.", dir=dest.parent))
+    tmp = make_temp_dir(dest.parent, f"ab-patch-{digest}")
     try:
         shutil.copytree(kernel_dir, tmp / "kernels")
         # inside a repository git apply would patch that repository's paths: the ceiling keeps it to tmp

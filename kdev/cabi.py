@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-HEADER = Path(__file__).resolve().parent.parent / "kernels" / "include" / "kdev" / "kdtree.h"
+from kdev.project import REPO_ROOT
+
+HEADER = REPO_ROOT / "kernels" / "include" / "kdev" / "kdtree.h"  # the project's own (kdev/project.py)
 
 _SCALARS = {"uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint64_t": ctypes.c_uint64,
             "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "size_t": ctypes.c_size_t}

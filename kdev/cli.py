@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -34,22 +35,39 @@ PlanGpuOpt = typer.Option(
 
 
 def command(fn):
-    """Turn KdevError into one line on stderr and its exit code; never a traceback for bad input."""
+    """Turn KdevError into one line on stderr and its exit code; never a traceback for bad input. With --json, an error
+    is still exactly one JSON document on stdout: {"error": ..., "exit_code": ...}."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        json_out = bool(kwargs.get("json_out"))
+
+        def fail(message: str, code: int):
+            report.error(message)
+            if json_out:
+                report.emit_json({"error": message, "exit_code": code})
+            raise typer.Exit(code) from None
+
         try:
+            if kwargs.get("repo") is None:  # every command works on the checkout around the current directory
+                from kdev import project
+
+                project.require_root()
             return fn(*args, **kwargs)
         except KdevError as e:
-            report.error(str(e))
-            raise typer.Exit(e.exit_code) from None
+            fail(str(e), e.exit_code)
         except OSError as e:  # a path the user gave that cannot be read or written: bad input, said in one line
             where = f"{e.filename}: " if e.filename else ""
-            report.error(f"{where}{e.strerror or e}")
-            raise typer.Exit(EXIT_BAD_INPUT) from None
+            fail(f"{where}{e.strerror or e}", EXIT_BAD_INPUT)
+        except typer.BadParameter as e:  # raised by a command's own checks
+            if not json_out:
+                raise
+            hint = f"{e.param_hint}: " if getattr(e, "param_hint", None) else ""
+            fail(f"{hint}{e.format_message()}", EXIT_BAD_INPUT)
         except KeyboardInterrupt:
-            report.error("interrupted")
-            raise typer.Exit(130) from None
+            fail("interrupted", 130)
+        except Terminated as e:
+            fail(f"terminated ({e.signal_name})", 128 + e.signum)
 
     return wrapper
 
@@ -887,7 +905,8 @@ def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: 
 @app.command("deploy-check")
 @command
 def deploy_check_cmd(
-    repo: Path = typer.Option(Path("."), "--repo", help="Repository to check."),
+    repo: Optional[Path] = typer.Option(None, "--repo", help="Checkout to check (default: the one around the current "
+                                        "directory)."),
     target: Optional[str] = typer.Option(None, "--target", help="Deploy target arch (default: configs/deploy.yaml)."),
     strict: bool = typer.Option(False, "--strict", help="Warnings fail too."),
     require_gpu: bool = typer.Option(False, "--require-gpu", help="No GPU (or no NVML) fails instead of warning."),
@@ -896,8 +915,14 @@ def deploy_check_cmd(
     """Git, build provenance, vectors, verification record and GPU state before a deploy."""
     from kdev import deploy
 
+    from kdev import project
+
     if target is not None and not (target.startswith("sm_") and target[3:].rstrip("a").isdigit()):
         raise typer.BadParameter(f"{target!r} is not an arch like sm_120", param_hint="--target")
+    if repo is None:
+        repo = project.require_root()
+    elif not project.is_checkout(repo):
+        raise BadInput(f"--repo {repo}: not a kdev checkout (no {project.MARKERS[0]} and {project.MARKERS[1]})")
     probes, cfg = deploy.run_checks(repo, target, require_gpu)
     failed = [p for p in probes if p.status == deploy.FAIL or (strict and p.status == deploy.WARN)]
     if json_out:
@@ -973,5 +998,20 @@ for _info in app.registered_commands:
         _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs: temp files and folders are removed
+    and child compilers killed as for Ctrl-C (the default action would end the process on the spot)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.signal_name = signum, signal.Signals(signum).name
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
 def main():
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_terminated)
     app()

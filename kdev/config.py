@@ -16,8 +16,8 @@ import yaml
 
 from kdev import cabi
 from kdev.errors import BadInput
+from kdev.project import REPO_ROOT  # the project root (kdev/project.py)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 
 # The contract's limits, as kernels/include/kdev/kdtree.h states them (read by kdev/cabi.py).
@@ -82,7 +82,10 @@ def load_yaml(path: Path) -> Any:
     if not path.is_file():
         raise BadInput(f"{path}: no such config file")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise BadInput(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -9,7 +9,6 @@ through an NVML layer that tests replace with a fake; production uses nvidia-ml-
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -1,22 +1,89 @@
-"""Atomic file writes: a temp file in the same folder, fsync, then rename. Nothing is ever half-written. And the
-reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings), where one that is missing or
-damaged stands for no record."""
+"""Atomic file writes: a temp file in the same folder, fsync, then rename. Nothing is ever half-written, and what is
+written gets the modes a plain write would give it (the umask's), so another account (an inference server's) can read
+the vectors and load the library. Temp files and folders carry their writer's PID, so a later run removes those of a
+writer that was killed. And the reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings),
+where one that is missing or damaged stands for no record."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
+
+
+def umask() -> int:
+    """This process's umask (read without changing it where /proc says it)."""
+    try:
+        m = re.search(r"^Umask:\s*([0-7]+)", Path("/proc/self/status").read_text(), flags=re.M)
+        if m:
+            return int(m.group(1), 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def normal_mode(executable: bool = False) -> int:
+    """The mode open() or mkdir() would give a new file (0o666) or folder / program (0o777) under the umask."""
+    return (0o777 if executable else 0o666) & ~umask()
+
+
+def temp_name(stem: str) -> str:
+    """The prefix of a temp file or folder for `stem`, naming this process: `.{stem}.{pid}.`."""
+    return f".{stem}.{os.getpid()}."
+
+
+def make_temp_dir(parent: Path, stem: str, suffix: str = ".tmp") -> Path:
+    """A new folder in `parent` (created if missing) for a tree to be renamed into place, with a plain mkdir's mode."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_name(stem), suffix=suffix, dir=parent))
+    os.chmod(tmp, normal_mode(executable=True))
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_dead_writers_temps(parent: Path) -> list[Path]:
+    """Remove the temp files and folders in `parent` whose writer (the PID in their name) is no longer running: what a
+    SIGKILL, or a power cut, left. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = re.match(r"^\.[^/]+?\.(\d+)\.[^.]*\.(tmp|old|so)$", p.name)  # temp_name(stem) + mkstemp's letters
+        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_name(path.name), suffix=".tmp", dir=path.parent)
     except OSError as e:  # said of the file asked for, not of the temp file's made-up name
         raise OSError(e.errno, e.strerror, str(path)) from None
     try:
+        os.fchmod(fd, normal_mode())  # mkstemp's 0600 would keep every other account out
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

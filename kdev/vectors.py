@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from safetensors.torch import save as st_save
 from kdev import cabi, ddtree, mla
 from kdev.config import QK_DIM, CaseSpec, SuiteSpec, Tolerances, load_model, load_yaml
 from kdev.errors import BadInput
-from kdev.fsutil import atomic_write_bytes
+from kdev.fsutil import atomic_write_bytes, make_temp_dir, remove_dead_writers_temps
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.yaml"
@@ -263,8 +262,8 @@ def write_suite(suite: SuiteSpec, out_root: Path, force: bool = False, device: s
     target = out_root / suite.name
     if target.exists() and not force:
         raise BadInput(f"{target}: suite already exists (use --force to overwrite)")
-    out_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{suite.name}.", suffix=".tmp", dir=out_root))
+    remove_dead_writers_temps(out_root)
+    tmp = make_temp_dir(out_root, suite.name)
     try:
         entries = []
         kept = _stored_cases(target) if target.exists() else {}
@@ -283,7 +282,7 @@ def write_suite(suite: SuiteSpec, out_root: Path, force: bool = False, device: s
         atomic_write_bytes(tmp / MANIFEST, yaml.safe_dump(manifest, sort_keys=False).encode())
         old = None
         if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{suite.name}.", suffix=".old", dir=out_root))
+            old = make_temp_dir(out_root, suite.name, ".old")
             os.replace(target, old / suite.name)
         os.replace(tmp, target)
         if old:

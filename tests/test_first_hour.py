@@ -1,0 +1,179 @@
+"""What a new user meets first: what kdev writes is readable by another account, every command works on the checkout
+around the current directory, and no kill of a command leaves debris (temp folders, temp libraries, compilers running
+on)."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdev import config, fsutil, project, vectors
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def kdev(*args, cwd=REPO, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "kdev", *args], cwd=cwd, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+# --------------------------------------------------------------------------------------------- modes
+def test_written_files_and_folders_get_the_umasks_modes(tmp_path, umask_022, tiny_suites):
+    fsutil.atomic_write_bytes(tmp_path / "record.json", b"{}")
+    assert _mode(tmp_path / "record.json") == 0o644
+    assert _mode(fsutil.make_temp_dir(tmp_path, "x")) == 0o755
+    spec = config.load_suite("tiny", tiny_suites)
+    vectors.write_suite(spec, tmp_path / "vec")
+    assert _mode(tmp_path / "vec" / "tiny") == 0o755
+    assert {_mode(f) for f in (tmp_path / "vec" / "tiny").iterdir()} == {0o644}
+    os.umask(0o027)
+    fsutil.atomic_write_bytes(tmp_path / "group.json", b"{}")
+    assert _mode(tmp_path / "group.json") == 0o640
+
+
+@pytest.mark.nvcc
+def test_the_built_library_and_its_records_are_readable_by_others(sm90_library):
+    lib = Path(sm90_library)
+    others = stat.S_IROTH | stat.S_IXOTH
+    assert _mode(lib) & others == others * (fsutil.umask() & 0o005 == 0)
+    assert _mode(lib.parent / "build.json") & stat.S_IROTH == stat.S_IROTH * (fsutil.umask() & 0o004 == 0)
+    assert not list(lib.parent.glob(".*"))  # no temp library, no nvcc scratch folder
+
+
+# ---------------------------------------------------------------------------------------- project root
+def test_the_project_root_is_found_from_the_current_directory_upward(tmp_path):
+    assert project.find_root(REPO / "kernels" / "include") == REPO
+    assert project.find_root(tmp_path) is None
+    fake = tmp_path / "clone"
+    for m in project.MARKERS:
+        (fake / m).parent.mkdir(parents=True, exist_ok=True)
+        (fake / m).write_text("")
+    assert project.find_root(fake / "kernels") == fake
+
+
+def test_a_command_in_a_subfolder_works_on_that_checkout_and_outside_one_says_so(tmp_path):
+    p = kdev("deploy-check", "--json", cwd=REPO / "kernels")
+    out, _ = p.communicate(timeout=120)
+    import json
+
+    assert json.loads(out)["repo"] == str(REPO)
+    p = kdev("build", cwd=tmp_path, env={"KDEV_REPO": ""})
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip().endswith("not inside a kdev checkout (no kernels/include/kdev/kdtree.h "
+                                                       "and configs/build.yaml here or above): cd into one, or set "
+                                                       "KDEV_REPO") and "Traceback" not in err
+    p = kdev("deploy-check", "--repo", str(tmp_path / "none"), cwd=tmp_path)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1 and "not a kdev checkout" in err
+
+
+# --------------------------------------------------------------------------------------------- kills
+def test_sigterm_during_gen_refs_leaves_nothing(tmp_path):
+    out = tmp_path / "vec"
+    p = kdev("gen-refs", "--suite", "smoke", "--out", str(out))
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out.is_dir() and any(out.iterdir())):
+        time.sleep(0.05)
+    assert out.is_dir() and any(out.iterdir()), "gen-refs made no temp folder in time"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "terminated (SIGTERM)" in err
+    assert list(out.iterdir()) == []
+
+
+def test_temp_folders_of_a_killed_writer_are_removed_by_the_next_run(tmp_path, tiny_suites):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID that ran and is gone
+    root = tmp_path / "vec"
+    stale = root / f".tiny.{dead.pid}.abcd1234.tmp"
+    (stale / "x").mkdir(parents=True)
+    ours = root / f".other.{os.getpid()}.abcd1234.tmp"  # a live writer's (this process): kept
+    ours.mkdir()
+    vectors.write_suite(config.load_suite("tiny", tiny_suites), root)
+    assert not stale.exists() and ours.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([ours.name, "tiny"])
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan killed here waits for a reaper that a container's init may never be)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+FAKE_NVCC = """#!/bin/sh
+case "$1" in
+  --version) echo "Cuda compilation tools, release 13.0, V99.0.0"; exit 0;;
+  --list-gpu-code) echo sm_90; echo sm_120; exit 0;;
+esac
+# a driver that starts a compiler and waits on it, as nvcc runs cicc and ptxas; it leaves a temp file in TMPDIR
+echo scratch > "$TMPDIR/tmpxft_fake.cpp"
+sleep 300 &
+echo $! > "{pids}"
+wait
+"""
+
+
+def test_an_interrupted_build_kills_its_compilers_and_leaves_no_files(tmp_path, write_yaml):
+    pids = tmp_path / "child.pid"
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(FAKE_NVCC.replace("{pids}", str(pids)))
+    nvcc.chmod(0o755)
+    cfg = write_yaml("build.yaml", f"""
+        archs: [sm_90]
+        flags: [-O3]
+        output_dir: {tmp_path / 'out'}
+        allow_spills: false
+        smem_limit_bytes: {{sm_90: 232448}}
+        """)
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)):
+        pids.unlink(missing_ok=True)
+        p = kdev("build", "--force", "--config", str(cfg), env={"NVCC": str(nvcc)})
+        deadline = time.time() + 60
+        while time.time() < deadline and not pids.is_file():
+            time.sleep(0.05)
+        assert pids.is_file(), p.communicate(timeout=10)
+        time.sleep(0.2)
+        p.send_signal(sig)
+        p.communicate(timeout=60)
+        assert p.returncode == code
+        child = int(pids.read_text())
+        time.sleep(0.2)
+        assert not _running(child)
+        folder = next((tmp_path / "out").iterdir())
+        assert [f.name for f in folder.iterdir() if f.name.startswith(".")] == []
+
+
+def test_json_is_one_document_even_for_an_error(tmp_path):
+    p = kdev("build", "--json", cwd=tmp_path, env={"KDEV_REPO": ""})
+    out, _ = p.communicate(timeout=120)
+    import json
+
+    doc = json.loads(out)
+    assert p.returncode == 2 and doc["exit_code"] == 2 and "not inside a kdev checkout" in doc["error"]
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "l1.yaml"
+    bad.write_bytes(b"# \xb5s\narchs: [sm_90]\n")
+    p = kdev("build", "--config", str(bad))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1 and "UTF-8" in err, err
+
