@@ -251,7 +251,7 @@ def expand(cfg: BenchConfig, sweep: str | None, shape: list[str] | None, overrid
     ov = parse_assignments(overrides or [], "-a")
     if ov:
         rows = [{**r, **combo} for r in rows for combo in _product(ov)]
-    return list(dict.fromkeys(_make_shape(r, "shape") for r in rows))
+    return list(dict.fromkeys(_make_shape(r, "--shape") for r in rows))
 
 
 # ---------------------------------------------------------------------------------------------- inputs

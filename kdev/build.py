@@ -92,8 +92,10 @@ def find_nvcc() -> str:
 
 def nvcc_version(nvcc: str) -> str:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    m = re.search(r"V(\d+\.\d+\.\d+)", out)
-    return m.group(1) if m else out.strip().splitlines()[-1]
+    m = re.search(r"release \d+\.\d+, V(\d+\.\d+\.\d+)", out)
+    if m is None:
+        raise EnvironmentMissing(f"{nvcc}: not nvcc (its --version names no CUDA release)")
+    return m.group(1)
 
 
 def nvcc_archs(nvcc: str) -> list[str] | None:

@@ -214,7 +214,7 @@ def load(path: str | Path) -> ctypes.CDLL:
     library from older sources may lack some: hasattr() says which. Raises LoadError where it does not load or where
     its VerifyAttnParams is another size than the header's."""
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(Path(path).resolve()))  # a bare name would be looked up on the loader's path
     except OSError as e:
         raise LoadError(f"{path}: does not load: {e}") from None
     for name, (restype, argtypes) in CONTRACT.functions.items():

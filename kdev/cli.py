@@ -85,6 +85,12 @@ def main_callback(
     """kdev: gen-refs -> build -> verify -> bench -> deploy-check."""
 
 
+def git_words(info: dict) -> str:
+    """'git <sha>' of a build's provenance, or what stands for none (a candidate built from a copy outside git)."""
+    sha = info.get("git_sha")
+    return f"git {sha[:12]}" if sha else "not from a git checkout"
+
+
 def _check_device(device: str) -> None:
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter("must be cpu or cuda", param_hint="--device")
@@ -203,7 +209,7 @@ def build_cmd(
         dirty = " (dirty)" if info.get("git_dirty") else ""
         state = "up to date, nothing compiled" if res.cached else f"built in {res.seconds:.1f} s"
         report.show(f"{res.library}: {state}; sources {info['source_hash'][:12]}, "
-                    f"git {str(info.get('git_sha'))[:12]}{dirty}, nvcc {info['nvcc_version']}")
+                    f"{git_words(info)}{dirty}, nvcc {info['nvcc_version']}")
         for p in res.problems:
             report.error(p)
     if res.problems:
@@ -435,6 +441,7 @@ def bench_cmd(
                and abi.kernel_ref(b) is None]  # KERNEL@REF: its kernel and reference checked there
         if bad:
             raise typer.BadParameter(f"unknown backend {bad[0]!r}", param_hint="--backend")
+        drop_triton = False
         if "triton" in backends:
             from kdev import triton_peer
 
@@ -442,12 +449,14 @@ def bench_cmd(
                 if backend:  # asked for by name: refused; from bench.yaml: left out, said once
                     raise typer.BadParameter("triton needs the triton package (pip install -e '.[peers]')",
                                              param_hint="--backend")
-                report.info("triton is not installed: the triton peer is left out (pip install -e '.[peers]')")
+                drop_triton = True
                 backends.remove("triton")
         if normalize_by and normalize_by not in backends:
             raise typer.BadParameter(f"{normalize_by!r} is not among the backends timed ({', '.join(backends)})",
                                      param_hint="--normalize-by")
-        gpu.require_cuda("kdev bench")
+        gpu.require_cuda("kdev bench")  # before any remark on the backends: no GPU is the one thing to say then
+        if drop_triton:
+            report.info("triton is not installed: the triton peer is left out (pip install -e '.[peers]')")
         if base_doc:
             _require_same_gpu(base_doc, gpu.current_gpu().name, str(baseline), "this run")
         lib = abi.load_library(library, report.info)

@@ -40,8 +40,11 @@ def temp_name(stem: str) -> str:
 def make_temp_dir(parent: Path, stem: str, suffix: str = ".tmp") -> Path:
     """A new folder in `parent` (created if missing) for a tree to be renamed into place, with a plain mkdir's mode."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_name(stem), suffix=suffix, dir=parent))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_name(stem), suffix=suffix, dir=parent))
+    except OSError as e:  # said of the folder asked for, not of the temp folder's made-up name
+        raise OSError(e.errno, e.strerror, str(parent)) from None
     os.chmod(tmp, normal_mode(executable=True))
     return tmp
 

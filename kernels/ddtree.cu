@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(CompactPara
   const int b = blockIdx.x;
   const int n = p.accept_len[b];
   const int L = p.prefix_lens[b];
-  const KvPages pages = kv_pages(p.page_table, p.max_pages, b, p.page_size);
+  const KvPagesBySize pages = kv_pages_by_size(p.page_table, p.max_pages, b, p.page_size);
   const int32_t* acc = p.accepted + (size_t)b * p.t_stride;
   uint4* kv = static_cast<uint4*>(p.kv_cache);
   auto slot = [&](int pos) -> size_t {

@@ -39,7 +39,6 @@ __global__ void __launch_bounds__(kWarps * 32) verify_attn_naive_kernel(VerifyAt
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + ((size_t)row * p.num_heads + h) * KDTREE_QK_DIM;
   const __nv_bfloat16* kv = static_cast<const __nv_bfloat16*>(p.kv_cache);
   const uint64_t* mask_row = p.tree_mask + (size_t)row * p.mask_words;
-  const KvPages pages = kv_pages(p.page_table, p.max_pages, b, p.page_size);
 
   // Lane l holds dims l, l+32, ... (strided: coalesced across the warp).
   float qreg[kQkPerLane];
@@ -55,7 +54,8 @@ __global__ void __launch_bounds__(kWarps * 32) verify_attn_naive_kernel(VerifyAt
       const int j = pos - L;
       if (!((mask_row[j / 64] >> (j % 64)) & 1ull)) continue;
     }
-    const __nv_bfloat16* k = kv + kv_slot<size_t>(pages, pos) * KDTREE_QK_DIM;
+    const __nv_bfloat16* k =
+        kv + kv_slot<size_t>(kv_pages_by_size(p.page_table, p.max_pages, b, p.page_size), pos) * KDTREE_QK_DIM;
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kQkPerLane; ++i) dot += qreg[i] * __bfloat162float(k[lane + 32 * i]);

@@ -177,3 +177,53 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and len(err.strip().splitlines()) == 1 and "UTF-8" in err, err
 
+
+
+# ------------------------------------------------------------------------------------------ small ones
+def run_kdev(*args, env=None, cwd=REPO) -> tuple[int, str, str]:
+    p = kdev(*args, env=env, cwd=cwd)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("prefix", ["4294967396", "2147483647", "262145"])
+def test_a_prefix_past_the_contract_is_refused_not_wrapped(prefix):
+    code, out, err = run_kdev("plan", "--gpu", "h200", "--shape", f"B=1,L={prefix},N=64,H=8", "--json")
+    import json
+
+    assert code == 2 and f"prefix {prefix} outside 0..262144 tokens" in json.loads(out)["error"]
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_h100s_measured_ceilings_are_recorded():
+    h100 = config.load_gpus()["h100"]
+    assert h100.ceilings_measured and round(h100.flops / 1e12) == 646 and round(h100.bytes_per_s / 1e9) == 3020
+    assert "2026-12-05" in h100.ceilings_source
+
+
+def test_small_ones_say_one_true_line(tmp_path):
+    code, _, err = run_kdev("build", "--force", "--arch", "sm_90", env={"NVCC": "/bin/false"})
+    assert code == 3 and err.strip() == "error: /bin/false: not nvcc (its --version names no CUDA release)"
+    code, _, err = run_kdev("plan", "--gpu", "h200", "--library", "README.md")
+    assert code == 3 and "does not load" in err and "No such file" not in err
+    (tmp_path / "afile").write_text("")
+    code, _, err = run_kdev("gen-refs", "--suite", "smoke", "--out", str(tmp_path / "afile" / "vec"))
+    assert code == 2 and f"{tmp_path / 'afile' / 'vec'}:" in err and ".tmp" not in err
+    code, _, err = run_kdev("deploy-check", "--repo", "/nonexistent")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_bench_without_a_gpu_says_that_first():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    code, _, err = run_kdev("bench", "--sweep", "smoke")
+    assert code == 3 and err.strip().splitlines() == ["error: kdev bench: no CUDA GPU visible to torch"]
+
+
+def test_a_build_outside_git_is_said_so():
+    from kdev.cli import git_words
+
+    assert git_words({"git_sha": None}) == "not from a git checkout"
+    assert git_words({"git_sha": "0123456789abcdef"}) == "git 0123456789ab"
