@@ -59,7 +59,7 @@ def test_an_h100_plans_the_h200s_grids(library):
     """The same chip (132 SMs, 227 KB per block): a round that lands on an H100 launches what the H200 does, so its
     A/B ratios speak of the H200's grids; only the memory (and so the times) differ."""
     h100 = kplan.resolve_gpu("h100")
-    assert (h100.arch, h100.sms, h100.flops) == ("sm_90", 132, None)  # no ceilings of its own measured yet
+    assert (h100.arch, h100.sms, h100.ceilings_measured) == ("sm_90", 132, True)  # its own ceilings, measured there
     got = {p["shape"]: (p["splits"], p["full_ctas"], p["narrow_ctas"], p["waves"])
            for p in kplan.plan(library, targets(), h100)["plans"]}
     assert got == H200_TARGETS
