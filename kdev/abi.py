@@ -239,15 +239,16 @@ class Library:
 
 
 def load_library(path: str | Path | None = None, log=None) -> Library:
-    """The library to run: `path`, else the last `kdev build` if it is current and has this GPU's arch,
-    else a build for this GPU's arch (a cache hit when nothing changed)."""
+    """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of this GPU's arch alone)
+    if it is current and has this GPU's arch, else a build for this GPU's arch (a cache hit when nothing changed)."""
     from kdev import config, gpu
     from kdev.errors import CheckFailed
 
     if path:
         return Library(path)
-    latest = kbuild.latest_library()
-    if latest is not None:
+    for latest in (kbuild.latest_library(), kbuild.latest_library(archs=[gpu.current_arch()])):
+        if latest is None:
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StaleLibraryWarning)
             lib = Library(latest)

@@ -379,7 +379,10 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     key = cache_key(cfg, src_hash, ver)
     folder = config_folder(cfg)
     if variant:
-        folder = folder.with_name(f"{folder.name}-variant-{src_hash[:12]}")
+        own = read_json_record(folder / "build.json", ("key",))
+        if not (own is not None and own["key"] == key and (folder / LIB_NAME).is_file()):
+            # not the same sources as this checkout's build of the config: a folder of its own
+            folder = folder.with_name(f"{folder.name}-variant-{src_hash[:12]}")
     lib = folder / LIB_NAME
     record = folder / "build.json"
     # a damaged record, or one from before the launch table, is rebuilt
@@ -478,18 +481,27 @@ def _write_record(record: Path, res: BuildResult, cfg: BuildConfig) -> None:
     atomic_write_bytes(record, json.dumps({**doc, "gate": gate_settings(cfg)}, indent=2).encode())
 
 
+def latest_record(archs) -> str:
+    """The record naming the last good build of one arch set: latest-sm_90-sm_120.json."""
+    return f"latest-{'-'.join(archs)}.json"
+
+
 def _point_latest(cfg: BuildConfig, res: BuildResult) -> None:
-    """latest.json (what verify, bench and deploy-check load by default) names a build that passes the gate, and
-    never one that fails it: a library that fails a gate made stricter since it was built is no longer named."""
-    path = cfg.output_dir / LATEST
-    if not res.problems:
-        doc = {"library": str(res.library), "key": res.key, "archs": list(cfg.archs),
-               "source_hash": res.build_info["source_hash"]}
-        atomic_write_bytes(path, json.dumps(doc, indent=2).encode())
-        return
-    named = read_json_record(path, ("library",))
-    if named is not None and Path(named["library"]) == res.library:
-        path.unlink(missing_ok=True)
+    """latest-<archs>.json names the last build of that arch set that passes the gate, and latest.json (what verify,
+    bench, plan and deploy-check load by default) the last of build.yaml's own set: a one-arch build (--arch sm_90)
+    leaves the default library alone. Neither ever names a build that fails the gate: a library that fails a gate made
+    stricter since it was built is no longer named."""
+    default = not cfg.default_archs or tuple(cfg.archs) == tuple(cfg.default_archs)
+    paths = [cfg.output_dir / latest_record(cfg.archs)] + ([cfg.output_dir / LATEST] if default else [])
+    doc = {"library": str(res.library), "key": res.key, "archs": list(cfg.archs),
+           "source_hash": res.build_info["source_hash"]}
+    for path in paths:
+        if not res.problems:
+            atomic_write_bytes(path, json.dumps(doc, indent=2).encode())
+            continue
+        named = read_json_record(path, ("library",))
+        if named is not None and Path(named["library"]) == res.library:
+            path.unlink(missing_ok=True)
 
 
 def library_file(library: Path) -> Path:
@@ -497,13 +509,14 @@ def library_file(library: Path) -> Path:
     return library / LIB_NAME if library.is_dir() and (library / LIB_NAME).is_file() else library
 
 
-def latest_library(output_dir: Path | None = None) -> Path | None:
-    """The library the last successful `kdev build` produced (KDEV_LIB overrides)."""
+def latest_library(output_dir: Path | None = None, archs=None) -> Path | None:
+    """The library the last successful `kdev build` of build.yaml's archs produced, or of `archs` where named
+    (KDEV_LIB overrides)."""
     env = os.environ.get("KDEV_LIB")
     if env:
         return Path(env)
     out = output_dir or (REPO_ROOT / "build")
-    f = out / LATEST
+    f = out / (latest_record(archs) if archs else LATEST)
     record = read_json_record(f, ("library",))
     if record is None or not isinstance(record["library"], str):
         return None

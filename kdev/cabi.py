@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdev.errors import BadInput
 from kdev.project import REPO_ROOT
 
 HEADER = REPO_ROOT / "kernels" / "include" / "kdev" / "kdtree.h"  # the project's own (kdev/project.py)
@@ -27,7 +28,7 @@ _SCALARS = {"uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint64_t": 
 _OUT_POINTERS = {"int": ctypes.c_int, "size_t": ctypes.c_size_t, "double": ctypes.c_double}
 
 
-class HeaderError(RuntimeError):
+class HeaderError(BadInput):
     """kdtree.h holds something this reader does not take: fix the header or the reader, never work around it."""
 
 

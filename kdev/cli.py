@@ -911,6 +911,33 @@ def _sass_compare(sass, base: Path, lib: Path, kernel: str, archs, expect_same: 
 
 
 # ----------------------------------------------------------------------------------------- deploy-check
+@app.command("clean")
+@command
+def clean_cmd(
+    yes: bool = typer.Option(False, "--yes", help="Remove what is listed (without it: only list, a dry run)."),
+    keep_records: int = typer.Option(1000, "--keep-records", min=1, help="Ledger records kept besides the newest "
+                                     "passing one of each sources and arch."),
+    json_out: bool = JsonOpt,
+):
+    """What builds, candidate trees, temps of killed runs and old ledger records take, and remove it with --yes."""
+    from kdev import clean, project
+
+    repo = project.require_root()
+    items = clean.plan(repo, keep_records)
+    if yes:
+        clean.remove(items, repo)
+    if json_out:
+        report.emit_json({**clean.summary(items), "removed": yes})
+        return
+    rows = [[str(i.path.relative_to(repo)), f"{i.bytes / 1e6:.1f}", i.why] for i in items]
+    if rows:
+        report.show(report.table("kdev clean" + ("" if yes else " (dry run: --yes removes)"),
+                                 ["path", "MB", "why"], rows, {"left": ("path", "why")}))
+    total = sum(i.bytes for i in items) / 1e6
+    report.show(f"{'removed' if yes else 'would remove'} {len(items)} item(s), {total:.1f} MB"
+                if items else "nothing to clean")
+
+
 @app.command("deploy-check")
 @command
 def deploy_check_cmd(

@@ -327,6 +327,9 @@ class BuildConfig:
     allow_spills: bool
     smem_limit_bytes: dict
     path: Path
+    # the archs build.yaml names (an --arch override builds others): only a build of these is the default library
+    # (build/latest.json); every build is also the latest of its own arch set (build/latest-<archs>.json)
+    default_archs: tuple = ()
 
 
 def _arch_ok(a) -> bool:
@@ -350,10 +353,9 @@ def load_build(path: str | Path | None = None, archs: list[str] | None = None) -
         bad = [a for a in archs if not _arch_ok(a)]
         if bad:
             raise BadInput(f"--arch: {bad[0]!r} is not an arch like sm_90")
-        cfg_archs = archs
-    return BuildConfig(archs=tuple(dict.fromkeys(cfg_archs)), flags=tuple(flags),
+    return BuildConfig(archs=tuple(dict.fromkeys(archs or cfg_archs)), flags=tuple(flags),
                        output_dir=out if out.is_absolute() else REPO_ROOT / out, allow_spills=allow_spills,
-                       smem_limit_bytes=limits, path=path)
+                       smem_limit_bytes=limits, path=path, default_archs=tuple(dict.fromkeys(cfg_archs)))
 
 
 # ------------------------------------------------------------------------------------------------ GPUs

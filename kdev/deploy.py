@@ -175,12 +175,17 @@ def probe_vectors(repo: Path, suites: tuple) -> Probe:
 
 
 # --------------------------------------------------------------------------------------------- ledger
+# deploy-check reads the newest records only: its time stays bounded however long the ledger grows (`kdev clean`
+# prunes it), and a passing verify of the current sources is among the newest of any working ledger
+LEDGER_WINDOW = 2000
+
+
 def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=None) -> Probe:
     from kdev import build as kbuild
     from kdev import verify
 
     src = kbuild.source_hash(repo / "kernels")
-    records = verify.read_records(ledger or repo / ".kdev" / "ledger")
+    records = verify.read_records(ledger or repo / ".kdev" / "ledger", newest=LEDGER_WINDOW)
     now = now or _dt.datetime.now(_dt.timezone.utc)
 
     def covers(r: dict) -> bool:
@@ -195,7 +200,7 @@ def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=
         n_src = sum(r.get("source_hash") == src for r in records)
         return Probe("ledger", FAIL, f"no passing 'kdev verify' of sources {src[:12]} for suites "
                      f"{', '.join(missing_suites)} with kernels {', '.join(cfg.required_kernels)} "
-                     f"({len(records)} record(s), {n_src} for these sources)")
+                     f"({len(records)} newest record(s), {n_src} for these sources)")
     on_target = [r for r in good if r.get("gpu", {}).get("arch") == cfg.target_arch]
     newest = max(on_target or good, key=lambda r: r["timestamp"])
     age = now - _dt.datetime.fromisoformat(newest["timestamp"])

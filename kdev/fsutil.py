@@ -59,6 +59,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def is_dead_writers_temp(path: Path) -> bool:
+    """A temp file or folder (temp_name(stem) + mkstemp's letters) whose writer, the PID in its name, is gone."""
+    m = re.match(r"^\.[^/]+?\.(\d+)\.[^.]*\.(tmp|old|so)$", Path(path).name)
+    return m is not None and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1)))
+
+
 def remove_dead_writers_temps(parent: Path) -> list[Path]:
     """Remove the temp files and folders in `parent` whose writer (the PID in their name) is no longer running: what a
     SIGKILL, or a power cut, left. Returns what was removed."""
@@ -68,8 +74,7 @@ def remove_dead_writers_temps(parent: Path) -> list[Path]:
     except OSError:
         return removed
     for p in entries:
-        m = re.match(r"^\.[^/]+?\.(\d+)\.[^.]*\.(tmp|old|so)$", p.name)  # temp_name(stem) + mkstemp's letters
-        if m is None or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+        if not is_dead_writers_temp(p):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

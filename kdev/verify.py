@@ -360,11 +360,14 @@ def append_record(record: dict, folder: Path | None = None) -> Path:
     return path
 
 
-def read_records(folder: Path | None = None) -> list[dict]:
-    """All readable ledger records, oldest first (unreadable files are skipped, never fatal)."""
+def read_records(folder: Path | None = None, newest: int | None = None) -> list[dict]:
+    """The readable ledger records, oldest first, all of them or the `newest` N (file names start with the record's
+    time, so the newest are the last by name and the rest is never opened); unreadable files are skipped, never
+    fatal."""
     folder = Path(folder) if folder else ledger_dir()
     recs = []
-    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    for f in files[-newest:] if newest else files:
         try:
             r = json.loads(f.read_text())
             r["_file"] = str(f)

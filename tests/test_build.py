@@ -336,3 +336,38 @@ def test_a_cached_build_is_judged_by_the_gate_in_force(both_archs, tmp_path):
     assert "gate" in json.loads(record.read_text())
     r = CliRunner().invoke(app, ["build", "--config", str(ok)])
     assert r.exit_code == 0 and "up to date, nothing compiled" in r.stdout and "flash calls" in r.stdout
+
+
+def test_a_one_arch_build_is_its_own_latest_and_leaves_the_default_alone(tmp_path):
+    """kdev build --arch sm_90 after a plain kdev build: latest.json (the default library: deploy-check, plan) still
+    names the build of build.yaml's archs; the one-arch build is latest-sm_90.json."""
+    from dataclasses import replace
+
+    base = config.load_build(None, None)
+    out = tmp_path / "build"
+    for archs, lib in ((base.default_archs, "both"), (("sm_90",), "one")):
+        cfg = replace(config.load_build(None, list(archs)), output_dir=out)
+        (out / lib).mkdir(parents=True)
+        (out / lib / kbuild.LIB_NAME).write_bytes(b"")
+        res = kbuild.BuildResult(library=out / lib / kbuild.LIB_NAME, folder=out / lib, key=lib, cached=False,
+                                 seconds=0.0, build_info={"source_hash": "x"}, resources=[], problems=[],
+                                 embedded={})
+        kbuild._point_latest(cfg, res)
+    assert kbuild.latest_library(out) == out / "both" / kbuild.LIB_NAME
+    assert kbuild.latest_library(out, archs=["sm_90"]) == out / "one" / kbuild.LIB_NAME
+    assert kbuild.latest_library(out, archs=list(base.default_archs)) == out / "both" / kbuild.LIB_NAME
+
+
+@pytest.mark.nvcc
+def test_a_candidate_with_this_checkouts_sources_reuses_its_build(tmp_path, build_config):
+    """kdev sass --against HEAD (or a copy of kernels/ that was not edited) finds this checkout's library instead of
+    compiling the same sources into a folder of their own."""
+    cfg = build_config(tmp_path / "build", ["sm_90"])
+    own = kbuild.build(cfg)
+    copy = tmp_path / "copy" / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, copy)
+    again = kbuild.build(cfg, kernel_dir=copy, variant=True)
+    assert again.cached and again.library == own.library
+    (copy / "verify_attn.cu").write_text((copy / "verify_attn.cu").read_text() + "\n// edited\n")
+    other = kbuild.build(cfg, kernel_dir=copy, variant=True)
+    assert not other.cached and other.library != own.library and "-variant-" in other.folder.name

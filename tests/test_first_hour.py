@@ -227,3 +227,39 @@ def test_a_build_outside_git_is_said_so():
 
     assert git_words({"git_sha": None}) == "not from a git checkout"
     assert git_words({"git_sha": "0123456789abcdef"}) == "git 0123456789ab"
+
+
+def test_clean_lists_then_removes_what_nothing_needs(tmp_path):
+    import json
+
+    repo = tmp_path / "clone"
+    for m in project.MARKERS:
+        (repo / m).parent.mkdir(parents=True, exist_ok=True)
+        (repo / m).write_text((REPO / m).read_text())
+    build = repo / "build"
+    for name in ("kept", "verified", "old", "ab-0123456789ab"):
+        (build / name).mkdir(parents=True)
+        (build / name / "libkdtree.so").write_bytes(b"x" * 1000)
+    (build / "latest.json").write_text(json.dumps({"library": str(build / "kept" / "libkdtree.so")}))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (build / "kept" / f".libkdtree.{dead.pid}.abcd1234.so").write_bytes(b"")
+    ledger = repo / ".kdev" / "ledger"
+    ledger.mkdir(parents=True)
+    recs = [("20260101T000000-a", {"passed": True, "source_hash": "s1", "gpu": {"arch": "sm_90"},
+                                   "library": str(build / "verified" / "libkdtree.so")}),
+            ("20260102T000000-b", {"passed": False, "source_hash": "s1", "gpu": {"arch": "sm_90"}}),
+            ("20260103T000000-c", {"passed": False, "source_hash": "s2", "gpu": {"arch": "sm_90"}})]
+    for name, r in recs:
+        (ledger / f"{name}.json").write_text(json.dumps(r))
+    code, out, _ = run_kdev("clean", "--keep-records", "1", "--json", cwd=repo / "build")
+    doc = json.loads(out)
+    listed = sorted(Path(i["path"]).relative_to(repo).as_posix() for i in doc["items"])
+    assert code == 0 and not doc["removed"] and listed == [
+        ".kdev/ledger/20260102T000000-b.json", "build/ab-0123456789ab", f"build/kept/.libkdtree.{dead.pid}.abcd1234.so",
+        "build/old"]
+    assert (build / "old").exists()  # a dry run
+    code, _, _ = run_kdev("clean", "--keep-records", "1", "--yes", cwd=repo)
+    assert code == 0 and sorted(p.name for p in build.iterdir()) == ["kept", "latest.json", "verified"]
+    assert sorted(p.name for p in ledger.iterdir()) == ["20260101T000000-a.json", "20260103T000000-c.json"]
+    assert list((build / "kept").iterdir()) == [build / "kept" / "libkdtree.so"]
