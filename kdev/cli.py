@@ -21,6 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain help (click's layout): a flag shows no placeholder there, -h among them
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 1000},
 )
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (logs go to stderr).")
@@ -29,7 +32,7 @@ ShapeOpt = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,
 AxisOpt = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable).")
 # verify and bench: another GPU's split plan, run on this one
 PlanGpuOpt = typer.Option(
-    None, "--plan-gpu", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. rtx-pro-6000 with --kernel "
+    None, "--plan-gpu", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. rtx-pro-6000 with "
     "flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts and workspace, "
     "run here.")
 
@@ -89,6 +92,11 @@ def git_words(info: dict) -> str:
     """'git <sha>' of a build's provenance, or what stands for none (a candidate built from a copy outside git)."""
     sha = info.get("git_sha")
     return f"git {sha[:12]}" if sha else "not from a git checkout"
+
+
+def _is_microbenchmark(kernel: str) -> bool:
+    """ceilings.cu's kernels: the mma.sync peak and the flash loop ladder, not part of any call."""
+    return kernel.startswith(("mma_peak_kernel", "inner_loop_kernel", "grouped_loop_kernel"))
 
 
 def _check_device(device: str) -> None:
@@ -170,6 +178,7 @@ def build_cmd(
         None, "--kernels", help="Build an edited copy of kernels/ (an A/B candidate), or this checkout's kernels/ with "
         "a patch applied (variants/NAME.patch), into a library of its own; the default library is left alone. Load it "
         "with --library in verify and bench."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Every kernel's ptxas row, the microbenchmarks' too."),
     json_out: bool = JsonOpt,
 ):
     """Build kernels/ into one shared library (C ABI) per configuration, gated on the ptxas report."""
@@ -186,11 +195,25 @@ def build_cmd(
     if json_out:
         report.emit_json({**res.to_dict(), "ok": not res.problems})
     else:
-        rows = [[r["kernel"], r["arch"], r["registers"], r["spill_stores"], r["spill_loads"], r["stack_frame"],
-                 r["smem"]] for r in res.resources]
-        report.show(report.table(f"ptxas resources ({res.folder.name})",
-                                 ["kernel", "arch", "regs", "spill st", "spill ld", "stack", "smem"], rows,
-                                 {"left": ("kernel", "arch")}))
+        shown = [r for r in res.resources if verbose or not _is_microbenchmark(r["kernel"])]
+        archs = list(dict.fromkeys(r["arch"] for r in shown))
+        by_kernel: dict = {}
+        for r in shown:  # one row per kernel, its archs' figures side by side ("255 / 255"): half the rows
+            by_kernel.setdefault(r["kernel"], {})[r["arch"]] = r
+
+        def per_arch(rs: dict, key: str) -> str:
+            return " / ".join(str(rs[a][key]) if a in rs else "-" for a in archs)
+
+        rows = [[k, per_arch(rs, "registers"), per_arch(rs, "spill_stores"), per_arch(rs, "spill_loads"),
+                 per_arch(rs, "stack_frame"), per_arch(rs, "smem")] for k, rs in by_kernel.items()]
+        report.show(report.table(f"ptxas resources ({res.folder.name}), each column {' / '.join(archs)}",
+                                 ["kernel", "regs", "spill st", "spill ld", "stack", "smem"], rows,
+                                 {"left": ("kernel",)}))
+        hidden = [r for r in res.resources if r not in shown]
+        if hidden:
+            spills = sum(bool(r["spill_stores"] or r["spill_loads"]) for r in hidden)
+            report.show(f"and {len({r['kernel'] for r in hidden})} microbenchmark kernels (kdev bench --ceilings), "
+                        f"{'none spills' if not spills else f'{spills} spill'}: --verbose shows them")
         if res.launches is None:
             report.warn("this library's sources have no kdtree_flash_launch_plan: the flash kernels' dynamic "
                         "shared memory is not reported")
@@ -369,10 +392,13 @@ def _loop_row(r: dict) -> list:
 @app.command("bench")
 @command
 def bench_cmd(
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default smoke)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in configs/bench.yaml: smoke (the "
+                                        "default), targets, small-trees, ddtree, tree-kernels, grid."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
-    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml); "
+    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
+                                          "flash, flash-portable, naive, triton, torch-eager, torch-sdpa, and for the "
+                                          "tree-kernels sweep ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
                                           "a copy of kernels/, a git revision or a .patch of kernels/)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
@@ -983,6 +1009,8 @@ def deploy_check_cmd(
 @app.command("all")
 @command
 def all_cmd(
+    suite: str = typer.Option("smoke", "--suite", help="The suite gen-refs checks and verify runs."),
+    sweep: str = typer.Option("smoke", "--sweep", help="The bench sweep."),
     json_out: bool = JsonOpt,
 ):
     """The whole loop in order: gen-refs --check, build, verify, bench (smoke sweep), deploy-check.
@@ -993,10 +1021,10 @@ def all_cmd(
     import torch
 
     have_gpu = torch.cuda.is_available()
-    stages = [("gen-refs", ["gen-refs", "--suite", "smoke", "--check"], False),
+    stages = [("gen-refs", ["gen-refs", "--suite", suite, "--check"], False),
               ("build", ["build"], False),
-              ("verify", ["verify", "--suite", "smoke"], True),
-              ("bench", ["bench", "--sweep", "smoke"], True),
+              ("verify", ["verify", "--suite", suite], True),
+              ("bench", ["bench", "--sweep", sweep], True),
               ("deploy-check", ["deploy-check"], False)]
     results, code = [], 0
     for name, args, needs_gpu in stages:
@@ -1045,6 +1073,33 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated(signum)
+
+
+def _placeholders() -> None:
+    """Help shows what an option takes in words, not Python types: a flag takes nothing (`--force`, never
+    `--force <bool>`), a number N or X, a path PATH, anything else its option's name (`--arch ARCH`); a repeatable or
+    comma-separated option says so."""
+    import typing
+
+    for info in app.registered_commands:
+        fn = inspect.unwrap(info.callback)
+        hints = typing.get_type_hints(fn)
+        for name, param in inspect.signature(fn).parameters.items():
+            opt = param.default
+            if not isinstance(opt, typer.models.OptionInfo) or opt.metavar is not None:
+                continue
+            kind = hints.get(name)
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            base = args[0] if args else kind
+            many = typing.get_origin(base) is list
+            base = typing.get_args(base)[0] if many else base
+            long = next((d for d in [opt.default, *(opt.param_decls or ())] if isinstance(d, str) and
+                         d.startswith("--")), f"--{name}")
+            word = {bool: "", int: "N", float: "X", Path: "PATH"}.get(base, long[2:].upper().replace("-", "_"))
+            opt.metavar = f"{word}..." if many and word else word
+
+
+_placeholders()
 
 
 def main():

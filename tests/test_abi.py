@@ -122,7 +122,7 @@ def test_load_library_reuses_a_current_build_for_this_arch(monkeypatch, sm90_lib
 
     from kdev import gpu
 
-    monkeypatch.setattr(kbuild, "latest_library", lambda *a: sm90_library)
+    monkeypatch.setattr(kbuild, "latest_library", lambda *a, **k: sm90_library)
     monkeypatch.setattr(gpu, "current_arch", lambda: "sm_90")
     built = []
     monkeypatch.setattr(kbuild, "build", lambda cfg, log=None: built.append(cfg.archs) or SimpleNamespace(
