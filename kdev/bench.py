@@ -13,7 +13,7 @@ paged cache itself, like the flash and naive kernels; needs the `peers` extra), 
 the mask) and torch-sdpa (scaled_dot_product_attention with a boolean mask); the torch peers get the request's KV
 gathered into contiguous tensors before timing. A `--peer module:function` is called as
     fn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale) -> out  or  (out, lse)
-with the contract's tensors (DESIGN §2) and must return out [N_q, H, 512] (any float dtype).
+with the contract's tensors (docs/architecture.md §2) and must return out [N_q, H, 512] (any float dtype).
 Every backend's output is checked against the naive oracle before it is timed, and the output of its last
 timed run (written over NaN) after; one that disagrees is reported and not ranked.
 """
@@ -961,7 +961,20 @@ def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float 
     return out
 
 
+def stored_result(name: str) -> Path | None:
+    """benchmarks/index.yaml's current result for a GPU of configs/gpus.yaml named `name` (h200), or None where `name`
+    is not one (a path, then)."""
+    index = REPO_ROOT / "benchmarks" / "index.yaml"
+    if Path(name).exists() or not index.is_file():
+        return None
+    entry = (load_yaml(index) or {}).get(name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("current"), str):
+        return None
+    return index.parent / entry["current"]
+
+
 def load_results(path: Path) -> dict:
+    path = stored_result(str(path)) or path
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:

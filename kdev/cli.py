@@ -1,5 +1,5 @@
 """kdev command line: one thin function per command (parsing, output mode, exit code); the work lives in
-the stage modules. Exit codes (DESIGN.md §5): 0 success, 1 a check failed, 2 bad usage or input,
+the stage modules. Exit codes (docs/architecture.md §5): 0 success, 1 a check failed, 2 bad usage or input,
 3 environment missing. --json prints exactly one JSON document on stdout; progress and logs go to stderr."""
 
 from __future__ import annotations
@@ -406,7 +406,8 @@ def bench_cmd(
     loop: Optional[list[str]] = typer.Option(
         None, "--loop", help="With --ceilings: time only this rung of the flash loop ladder (repeatable), leave "
         "the cache alone (for a profiler run on one rung)."),
-    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW "
+                                            "(a file, or a GPU of benchmarks/index.yaml: h200)."),
     normalize_by: Optional[str] = typer.Option(
         None, "--normalize-by", help="Judge each backend's time over this backend's (same shape, same run) "
         "against the baseline's ratio: cancels clock drift between runs (e.g. naive)."),

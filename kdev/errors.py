@@ -1,4 +1,4 @@
-"""Errors that carry kdev's exit codes (DESIGN.md §5).
+"""Errors that carry kdev's exit codes (docs/architecture.md §5).
 
 Stage modules raise these; cli.py turns them into one line on stderr and the exit code. Nothing else
 in kdev calls sys.exit.

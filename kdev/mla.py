@@ -134,7 +134,7 @@ def gather_kv(kv_cache: torch.Tensor, page_table_row: torch.Tensor, length: int)
 
 def reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,
                           device: str | torch.device = "cpu"):
-    """Float64 reference of kdtree_verify_attn (DESIGN.md §2). Inputs in kernel layout (any dtype; they are
+    """Float64 reference of kdtree_verify_attn (docs/architecture.md §2). Inputs in kernel layout (any dtype; they are
     upcast exactly). Returns (out [N_q,H,512] float64, lse [N_q,H] float64) on `device`."""
     q = q.to(device=device, dtype=torch.float64)
     kv_cache = kv_cache.to(device=device)

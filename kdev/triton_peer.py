@@ -1,4 +1,4 @@
-"""The `triton` bench peer: the verify contract (DESIGN.md §2) as a Triton kernel and a Triton combine.
+"""The `triton` bench peer: the verify contract (docs/architecture.md §2) as a Triton kernel and a Triton combine.
 
 What a compiler makes of the flash kernel's tiling, for `kdev bench` to rank the CUDA kernels against (on sm_90
 Triton's dots can take wgmma, which the flash kernels do not use; on sm_120 both are mma.sync):

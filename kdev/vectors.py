@@ -2,7 +2,7 @@
 
 A suite lives in one folder: one safetensors file per case and manifest.yaml (schema version, hash of the
 generator sources, seeds, case specs, shapes, dtypes, tolerances, sha256 per file). A case holds
-  inputs  q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask   (the kernel contract, DESIGN.md §2)
+  inputs  q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask   (the kernel contract, docs/architecture.md §2)
   tree    tree_tokens, tree_parents, tree_depths, tree_positions     ([N_q], in q_indptr order)
           drafter_log_probs, drafter_token_ids                       ([B, D, K], DDTree cases only)
   golden  out (float32), lse (float64), computed in float64 from the bf16-rounded inputs

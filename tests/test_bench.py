@@ -15,7 +15,7 @@ def test_flops_and_bytes_match_the_design_formula():
     flops, nbytes = bench.flops_bytes([65], [32768], 8)
     assert flops == 2 * 8 * 65 * (32768 + 65) * 1088
     assert nbytes == (32768 + 65) * 576 * 2 + 65 * 8 * 576 * 2 + 65 * 8 * 512 * 2
-    # the issue's floor for B1 L32K T65 H8 at 638 TFLOP/s: 58 µs
+    # the roofline floor for B1 L32K T65 H8 at 638 TFLOP/s (the H200's, docs/architecture.md §3): 58 µs
     assert round(flops / 638e12 * 1e6) == 58
     f4, _ = bench.flops_bytes([65] * 4, [32768] * 4, 8)
     assert f4 == 4 * flops
@@ -226,7 +226,7 @@ def test_a_report_into_a_pipe_keeps_each_row_on_one_line():
     import sys
     from pathlib import Path
 
-    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "h200-flash-v25-portable-targets.json"
+    stored = Path(__file__).resolve().parent / "data" / "h200-flash-v25-portable-targets.json"
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     r = subprocess.run([sys.executable, "-m", "kdev", "bench", "--from", str(stored)], capture_output=True, text=True,
                        env=env)
@@ -369,7 +369,7 @@ def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(wr
     targets = {s.name: cfg.targets_us[s.name] for s in bench.expand(cfg, "targets", None, None)}
     assert list(targets.values()) == [116, 466, 466, 238, 30, 232, 930]
     assert set(cfg.min_naive_speedup.values()) == {30} and set(cfg.min_naive_speedup) == set(targets)
-    assert cfg.target_gpu == {name: "NVIDIA H200" for name in targets}  # the issue's table is the H200's
+    assert cfg.target_gpu == {name: "NVIDIA H200" for name in targets}  # the targets are set for the H200
     for text, problem in [
         ("sweeps:\n  x:\n    shapes: [{batch: 1, target_us: -1}]\n", "target_us: must be > 0"),
         ("sweeps:\n  x:\n    min_naive_speedup: 0\n    shapes: [{batch: 1}]\n", "min_naive_speedup: must be > 0"),
@@ -432,7 +432,7 @@ def test_a_stored_targets_run_is_judged_against_the_issue_targets():
     """kdev bench --from on the committed v25 run: the table's verdict in two lines per kernel (no GPU)."""
     from kdev.config import REPO_ROOT
 
-    stored = str(REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json")
+    stored = str(REPO_ROOT / "tests" / "data" / "h200-flash-v25-portable-targets.json")
     r = CliRunner().invoke(app, ["bench", "--from", stored], env={"COLUMNS": "400"})
     assert r.exit_code == 0, r.output
     assert "flash-portable: first targets met at 0 of 7 shapes" in r.output
@@ -447,7 +447,7 @@ def test_a_stored_targets_run_is_judged_against_the_issue_targets():
 def test_a_stored_run_from_another_gpu_is_compared_to_the_targets_as_indicative(tmp_path):
     from kdev.config import REPO_ROOT
 
-    doc = json.loads((REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json").read_text())
+    doc = json.loads((REPO_ROOT / "tests" / "data" / "h200-flash-v25-portable-targets.json").read_text())
     doc["provenance"]["gpu"]["name"] = "NVIDIA H100 80GB HBM3"
     stored = tmp_path / "h100.json"
     stored.write_text(json.dumps(doc))
@@ -466,7 +466,7 @@ def test_graph_replay_timing_is_a_method_setting_and_a_flag_and_a_stored_run_say
                             ).method.graph is True
     with pytest.raises(BadInput, match="graph: expected bool"):
         bench.load_bench(write_yaml("c.yaml", "method: {graph: 1}\nsweeps:\n  x:\n    shapes: [{batch: 1}]\n"))
-    doc = json.loads((REPO_ROOT / "benchmarks" / "h200-flash-v25-portable-targets.json").read_text())
+    doc = json.loads((REPO_ROOT / "tests" / "data" / "h200-flash-v25-portable-targets.json").read_text())
     doc["provenance"]["method"]["graph"] = True
     stored = tmp_path / "graph.json"
     stored.write_text(json.dumps(doc))

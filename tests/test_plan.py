@@ -49,7 +49,7 @@ def test_h200_plans_are_the_grids_measured_there(library):
         assert p["kv_read_bytes"] == p["row_tiles"] * p["kv_bytes"] == p["row_tiles"] * B * (p["axes"]["prefix"] + T) * 1152
         assert 0 < p["slot_use"] <= 1 and 0 < p["row_use"] <= 1
     floor = {p["shape"]: p["floor_us"] for p in doc["plans"]}
-    # the issue's floors (58, 233, 233, 119, 15, 116, 465 µs, rounded its own way) from 638 TFLOP/s and 3,984 GB/s
+    # the targets' roofline floors (58, 233, 233, 119, 15, 116, 465 µs, rounded its own way) from 638 TFLOP/s and 3,984 GB/s
     issue = [58, 233, 233, 119, 15, 116, 465]
     assert all(abs(floor[s] - f) < 1 for s, f in zip(H200_TARGETS, issue)), floor
     assert doc["largest_workspace"] == {"shape": "B1-L131072-N64-H8-p64", "bytes": workspace_bytes(31, 16, 1, 65 * 8)}
