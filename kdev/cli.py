@@ -114,8 +114,8 @@ def _check_device(device: str) -> None:
 @command
 def gen_refs(
     suite: str = typer.Option("smoke", "--suite", help="Suite name in the suites file."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Suites file (default configs/suites.yaml)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Folder that holds suite folders (default vectors/)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Suites file (default: configs/suites.yaml)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder that holds suite folders (default: vectors/)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing suite."),
     check: bool = typer.Option(False, "--check", help="Regenerate in memory and compare with the suite on disk."),
     device: str = typer.Option("cpu", "--device", help="Where the float64 reference runs: cpu or cuda."),
@@ -172,7 +172,7 @@ def _split_archs(values: Optional[list[str]]) -> Optional[list[str]]:
 def build_cmd(
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Target arch(s), e.g. sm_90 or sm_90,sm_120 "
                                                                  "(default: build.yaml)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Build config (default configs/build.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Build config (default: configs/build.yaml)."),
     force: bool = typer.Option(False, "--force", help="Rebuild even when the cache key matches."),
     kernels: Optional[Path] = typer.Option(
         None, "--kernels", help="Build an edited copy of kernels/ (an A/B candidate), or this checkout's kernels/ with "
@@ -417,7 +417,7 @@ def bench_cmd(
     plot_metric: str = typer.Option("time", "--plot-metric", help="time or roofline."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     seed: int = typer.Option(0, "--seed", help="Input seed."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default: configs/bench.yaml)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
                                            "build for this GPU)."),
     plan_gpu_name: Optional[str] = PlanGpuOpt,
@@ -650,13 +650,13 @@ def _require_reference(normalize_by: Optional[str], results: list[dict], where: 
 @app.command("ab")
 @command
 def ab_cmd(
-    against: Optional[str] = typer.Option(None, "--against", help="The base build: a git revision (default main), a "
+    against: Optional[str] = typer.Option(None, "--against", help="The base build: a git revision (default: main), a "
                                           "copy of kernels/, or a library or its build folder."),
     candidate: Optional[str] = typer.Option(None, "--candidate", help="Instead: the candidate build, judged against "
                                             "this one as the base; also a patch of kernels/ (variants/NAME.patch)."),
     kernel: str = typer.Option("flash", "--kernel", help="Comma-separated kernels to compare: naive, flash, "
                                "flash-portable."),
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default targets)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default: targets)."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Also N fresh random cases through both builds."),
@@ -666,13 +666,13 @@ def ab_cmd(
                                      "tenths of a percent)."),
     library: Optional[Path] = typer.Option(None, "--library", help="This build's library (default: build for this "
                                            "GPU)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default configs/bench.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default: configs/bench.yaml)."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
 ):
     """This build's kernels against another build's on this GPU, in one process: the machine code that changed, both
     on the golden vectors (and where they give the same bits), and their times at the same shapes in one run. The
-    other build is the base (--against, default main) or the candidate (--candidate)."""
+    other build is the base (--against, default: main) or the candidate (--candidate)."""
     import secrets
 
     from kdev import ab, bench
@@ -735,7 +735,7 @@ def _ab_lines(doc: dict) -> list:
 @app.command("plan")
 @command
 def plan_cmd(
-    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default targets)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default: targets)."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     gpu_name: Optional[str] = typer.Option(
@@ -745,7 +745,7 @@ def plan_cmd(
     call: str = typer.Option("flash", "--call", help="flash or flash-portable (the kernels within sm_120's 99 KB)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to ask (default: "
                                            "the last build)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default configs/bench.yaml)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default: configs/bench.yaml)."),
     costs: bool = typer.Option(False, "--costs", help="Also the planner's model cost of the choices it weighed "
                                "(full-tile and narrow split counts), the cheapest first, against the one it took."),
     json_out: bool = JsonOpt,

@@ -109,8 +109,41 @@ def table(title: str, columns: list[str], rows: list[list], styles: dict | None 
     return t
 
 
+def _needed_width(t: Table) -> int:
+    """The columns a table needs with no figure cut: its widest cell per column (a text column that may fold onto more
+    lines, a name or a reason, counts 24), padding and borders."""
+    widths = []
+    for col in t.columns:
+        cells = [Text(str(col.header))] + [c if isinstance(c, Text) else Text(str(c)) for c in col._cells]
+        widest = max(len(line) for c in cells for line in c.plain.split("\n"))
+        widths.append(min(widest, 24) if col.overflow == "fold" else widest)
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def records(t: Table) -> list:
+    """A table too wide for the terminal as one block per row, "column: value" a line: every figure whole, however
+    narrow the terminal (rich would cut numbers to "90.…")."""
+    title = t.title if isinstance(t.title, Text) else Text(str(t.title or ""))
+    out = [title] if title.plain else []
+    headers = [str(c.header) for c in t.columns]
+    pad = max(map(len, headers), default=0)
+    for i in range(t.row_count):
+        cells = [c._cells[i] for c in t.columns]
+        first, *rest = zip(headers, cells)
+        out.append(Text.assemble(Text(""), Text(f"{first[0]}: ", style="bold"), first[1] if isinstance(first[1], Text)
+                                 else Text(str(first[1]))))
+        for h, c in rest:
+            out.append(Text.assemble(Text(f"  {h:<{pad}} "), c if isinstance(c, Text) else Text(str(c))))
+    return out
+
+
 def show(renderable) -> None:
-    """Human output goes to stdout when not in --json mode; a string is plain text."""
+    """Human output goes to stdout when not in --json mode; a string is plain text. A table wider than the terminal is
+    shown as records (one block per row) rather than with its figures cut."""
+    if isinstance(renderable, Table) and _needed_width(renderable) > stdout.width:
+        for line in records(renderable):
+            stdout.print(line, markup=False, soft_wrap=True)
+        return
     stdout.print(renderable, markup=False)
 
 
