@@ -71,8 +71,8 @@ def synthetic_drafter(rng: np.random.Generator, depth: int, topk: int, vocab: in
     top-K kept. Log-probs are snapped to a grid of 2^-12 (2^-3 with ties=True, which makes many exactly
     equal scores) so that they are exact in float32, sums of them are exact in float64, and the values
     reproduce bit for bit on any machine."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth {depth} outside 1..{MAX_DEPTH}")
+    if not 0 <= depth <= MAX_DEPTH:  # 0: a drafter that proposes nothing (the tree is its root)
+        raise ValueError(f"depth {depth} outside 0..{MAX_DEPTH}")
     topk = min(topk, vocab)
     grid = 8.0 if ties else 4096.0
     lps, ids = [], []
@@ -86,6 +86,8 @@ def synthetic_drafter(rng: np.random.Generator, depth: int, topk: int, vocab: in
         o2 = np.argsort(-lp, kind="stable")
         lps.append(lp[o2])
         ids.append(order[o2])
+    if not depth:
+        return DrafterDist(np.zeros((0, topk), np.float32), np.zeros((0, topk), np.int64))
     return DrafterDist(np.stack(lps).astype(np.float32), np.stack(ids).astype(np.int64))
 
 
@@ -97,7 +99,7 @@ def build_ddtree(dist: DrafterDist, budget: int, root_token: int = 0) -> Tree:
     tokens, parents, depths = [root_token], [-1], [0]
     node_scores = [0.0]
     # heap entry: (-score, rank path, parent index)
-    heap = [(-lp[0, 0], (0,), 0)]
+    heap = [(-lp[0, 0], (0,), 0)] if D and K else []  # no drafter depth: the root alone
     while heap and len(tokens) - 1 < budget:
         neg, path, parent = heapq.heappop(heap)
         idx = len(tokens)

@@ -276,15 +276,17 @@ int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
   if (int st = check_params_struct(p)) return st;
   if (p->batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", p->batch);
-  if (p->depth < 1 || p->depth > KDTREE_MAX_DEPTH)
-    return fail(KDTREE_ERR_INVALID, "depth %d outside 1..%d", p->depth, KDTREE_MAX_DEPTH);
+  if (p->depth < 0 || p->depth > KDTREE_MAX_DEPTH)  // 0: no drafter depth, the root alone
+    return fail(KDTREE_ERR_INVALID, "depth %d outside 0..%d", p->depth, KDTREE_MAX_DEPTH);
   if (p->topk < 1 || p->topk > KDTREE_MAX_TOPK)
     return fail(KDTREE_ERR_INVALID, "topk %d outside 1..%d", p->topk, KDTREE_MAX_TOPK);
   if (p->budget < 1 || p->budget > KDTREE_MAX_QLEN - 1)
     return fail(KDTREE_ERR_INVALID, "budget %d outside 1..%d", p->budget, KDTREE_MAX_QLEN - 1);
   if (p->mask_words < (p->budget + 1 + 63) / 64)
     return fail(KDTREE_ERR_INVALID, "mask_words %d < ceil((1 + budget) / 64)", p->mask_words);
-  if (int st = check_ptrs({{p->log_probs, "log_probs"}, {p->token_ids, "token_ids"}, {p->root_tokens, "root_tokens"},
+  if (p->depth > 0)  // with no depth there is nothing to read there (an empty tensor's pointer may be NULL)
+    if (int st = check_ptrs({{p->log_probs, "log_probs"}, {p->token_ids, "token_ids"}}, 4)) return st;
+  if (int st = check_ptrs({{p->root_tokens, "root_tokens"},
                            {p->prefix_lens, "prefix_lens"}, {p->node_tokens, "node_tokens"}, {p->parents, "parents"},
                            {p->depths, "depths"}, {p->positions, "positions"}, {p->node_count, "node_count"}}, 4))
     return st;

@@ -153,7 +153,7 @@ __global__ void build_ddtree_kernel(DDTreeBuildParams p) {
       sm.depth[0] = 0;
       sm.rank[0] = 0;
       sm.next[0] = 0;
-      sm.cand[0] = score_key(0.0 + (double)sm.lp[0]);  // the root's first child
+      sm.cand[0] = p.depth > 0 ? score_key(0.0 + (double)sm.lp[0]) : 0ull;  // the root's first child, if any
     }
     __syncwarp();
     int count = 1;

@@ -3,6 +3,7 @@ and never skipped where one is."""
 
 import os
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,24 @@ def _have_nvcc() -> bool:
 
 
 HAVE_NVCC = _have_nvcc()
+
+
+def pytest_configure(config):
+    # one fresh base seed per run (or KDEV_TEST_SEED's): every test that takes `seed` gets its own from it and its id
+    config.kdev_seed = int(os.environ.get("KDEV_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
+def pytest_report_header(config):
+    return f"kdev test seed {config.kdev_seed} (replay a run: KDEV_TEST_SEED={config.kdev_seed} python -m pytest ...)"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed for this test: the run's base seed and the test's id, printed (a failing test shows it), so
+    `KDEV_TEST_SEED=<base> python -m pytest <test id>` gives the failing inputs again."""
+    value = zlib.crc32(f"{request.config.kdev_seed}:{request.node.nodeid}".encode())
+    print(f"seed {value} (KDEV_TEST_SEED={request.config.kdev_seed} python -m pytest '{request.node.nodeid}')")
+    return value
 
 
 def pytest_collection_modifyitems(config, items):

@@ -147,3 +147,9 @@ def test_next_child_frontier_makes_the_heaps_pops(seed):
         got = _build_by_next_child(dist, budget, 5)
         assert got.parents.tolist() == want.parents.tolist()
         assert got.tokens.tolist() == want.tokens.tolist() and got.depths.tolist() == want.depths.tolist()
+
+
+def test_a_drafter_of_depth_0_gives_the_root_alone():
+    dist = ddtree.synthetic_drafter(np.random.default_rng(3), 0, 8, 100)
+    tree = ddtree.build_ddtree(dist, budget=16, root_token=42)
+    assert tree.tokens.tolist() == [42] and tree.parents.tolist() == [-1] and tree.depths.tolist() == [0]

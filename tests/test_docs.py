@@ -19,7 +19,8 @@ def test_every_document_a_file_cites_is_in_the_repository():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     missing = []
     for f in tracked:
-        if not f.endswith((".py", ".cu", ".cuh", ".h", ".md", ".sh", ".yaml", ".toml")) or f.startswith("docs/history/"):
+        if not f.endswith((".py", ".cu", ".cuh", ".h", ".md", ".sh", ".yaml", ".toml")) or f.startswith("docs/history/") \
+                or f == "tests/test_docs.py":  # the history quotes what was; this file names what must not be cited
             continue
         text = (REPO / f).read_text(errors="replace")
         for cited in re.findall(r"\b((?:docs|kernels|variants|benchmarks)/[\w./-]+\.md)\b", text):

@@ -54,3 +54,24 @@ def test_stored_results_are_indexed_and_found_by_gpu_name():
 
 def test_the_kernel_notes_are_a_page_of_current_state():
     assert len((REPO / "kernels" / "NOTES.md").read_text().splitlines()) <= 200
+
+
+def test_seed_probe(seed):
+    """Used by the test below: prints its seed (the fixture does)."""
+    assert isinstance(seed, int)
+
+
+def test_a_tests_seed_replays_from_the_run_seed_and_its_id():
+    import os
+    import re
+    import sys
+
+    def run(base: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider",
+                            "tests/test_house.py::test_seed_probe"], cwd=REPO, capture_output=True, text=True,
+                           env={**os.environ, "KDEV_TEST_SEED": base})
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"kdev test seed {base}" in r.stdout
+        return re.search(r"seed (\d+) \(KDEV_TEST_SEED=", r.stdout).group(1)
+
+    assert run("7") == run("7") != run("8")

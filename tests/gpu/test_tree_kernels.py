@@ -1,6 +1,5 @@
 """GPU DDTree build, greedy accept and KV compaction: exact equality with the reference (kdev/ddtree.py)."""
 
-import os
 
 import numpy as np
 import pytest
@@ -44,8 +43,7 @@ def _assert_same(ref, got, prefix, label):
         assert (got["parents"][b, T:] == -1).all(), label
 
 
-def test_build_matches_reference_on_fuzzed_distributions_with_ties(tk):
-    seed = int.from_bytes(os.urandom(4), "little")
+def test_build_matches_reference_on_fuzzed_distributions_with_ties(tk, seed):
     rng = np.random.default_rng(seed)
     for i in range(40):
         depth = int(rng.integers(1, 16))
@@ -54,6 +52,14 @@ def test_build_matches_reference_on_fuzzed_distributions_with_ties(tk):
         ties = bool(rng.random() < 0.5)
         ref, got, prefix = _build_both(tk, rng, int(rng.integers(1, 5)), depth, topk, budget, ties)
         _assert_same(ref, got, prefix, f"seed {seed} case {i}: depth {depth} topk {topk} budget {budget} ties {ties}")
+
+
+def test_a_drafter_of_depth_0_gives_the_root_alone(tk, seed):
+    """As the reference: no depth to draft from, a tree of one node (the padding rows as always)."""
+    rng = np.random.default_rng(seed)
+    ref, got, prefix = _build_both(tk, rng, 3, 0, 4, 16, False)
+    assert [t.size for t in ref] == [1, 1, 1]
+    _assert_same(ref, got, prefix, f"seed {seed}: depth 0")
 
 
 def test_build_at_budget_and_depth_limits(tk):
@@ -81,8 +87,8 @@ def _accept_inputs(rng, trees, t_max):
     return tokens, parents, target
 
 
-def test_accept_matches_reference(tk):
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+def test_accept_matches_reference(tk, seed):
+    rng = np.random.default_rng(seed)
     for _ in range(20):
         B, T = int(rng.integers(1, 9)), int(rng.integers(1, 1026))
         trees = [ddtree.random_tree(rng, T, rng.integers(0, 50, T)) if rng.random() < 0.5

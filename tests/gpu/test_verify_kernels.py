@@ -1,7 +1,6 @@
 """Naive oracle and flash kernel on the GPU: golden vectors, fresh random cases against the float64
 reference, the split-KV path, determinism, and bad arguments answered with a status."""
 
-import os
 
 import numpy as np
 import pytest
@@ -58,8 +57,7 @@ def _random_spec(rng, name, max_prefix=6000, max_nodes=160):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_fresh_random_cases_against_float64(lib, kernel):
-    seed = int.from_bytes(os.urandom(4), "little")
+def test_fresh_random_cases_against_float64(lib, kernel, seed):
     rng = np.random.default_rng(seed)
     for i in range(12):
         spec = _random_spec(rng, f"r{i}")
@@ -67,9 +65,9 @@ def test_fresh_random_cases_against_float64(lib, kernel):
         _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel} seed={seed} case {i} {spec}")
 
 
-def test_flash_split_kv_long_prefix_and_determinism(lib):
+def test_flash_split_kv_long_prefix_and_determinism(lib, seed):
     spec = config.CaseSpec(name="long", prefix_lens=(40000,), tree=config.TreeSpec("ddtree", budget=64, depth=15,
-                           topk=64, vocab=32000), heads=8, page_size=64, seed=int.from_bytes(os.urandom(4), "little"),
+                           topk=64, vocab=32000), heads=8, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
     case = vectors.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
@@ -96,11 +94,10 @@ def _check_flash_twice(lib, spec, kernel, split=True):
 
 @pytest.mark.parametrize("kernel", abi.FLASH_KERNELS)
 @pytest.mark.parametrize("nodes,heads", [(17, 8), (97, 16), (65, 64)])
-def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel):
+def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel, seed):
     """136, 1,552 and 4,160 rows, every one split over the KV range: the combine kernel sums each row's splits
     with 4, 2 or 1 groups of threads depending on how many rows there are to fill the GPU (on an H200 these
     three shapes take one form each). Every form must match float64 and give the same bits on every run."""
-    seed = int.from_bytes(os.urandom(4), "little")
     spec = config.CaseSpec(name=f"combine-n{nodes}-h{heads}", prefix_lens=(30000,),
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
@@ -108,13 +105,12 @@ def test_flash_split_kv_combine_at_few_and_many_rows(lib, nodes, heads, kernel):
 
 
 @pytest.mark.parametrize("nodes,heads,splits", [(17, 8, 75), (65, 64, 14), (5, 8, 128)])
-def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits):
+def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits, seed):
     """The RTX PRO 6000's kernels (flash-portable) with its split plan (188 SMs, params.plan_sm_count): at the N16 target
     75 splits (past the 64 a lane's two weights held; the H200 takes 52), at N4 the combine's cap of 128; at H64 14 splits
     in 910 CTAs (the H200: 2). The same plan as kdev plan reports; float64 agreement and the same bits on every run."""
     from kdev import plan as kplan
 
-    seed = int.from_bytes(os.urandom(4), "little")
     spec = config.CaseSpec(name=f"sm120-plan-n{nodes}-h{heads}", prefix_lens=(32768 + 65 - nodes,),
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
@@ -142,14 +138,13 @@ def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits):
     ((300, 280, 120), 65, 64, (2, 1)),   # full tiles split, narrow ones not: the narrow kernel writes its rows itself
     ((200, 90), 2, 64, (1, 1)),          # too short to split: the narrow kernel writes the output itself
 ])
-def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, page_size, plan, kernel):
+def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, page_size, plan, kernel, seed):
     """Row tiles of <= 16 rows run in the narrow kernel (four token groups on the same rows, merged at the end), with
     a KV split count of their own: each combination of split and unsplit full and narrow tiles, planned for an H200's
     132 SMs (params.plan_sm_count) whatever GPU runs it. Every form must match float64 in the NaN-poisoned workspace
     and give the same bits on every run."""
     from kdev import plan as kplan
 
-    seed = int.from_bytes(os.urandom(4), "little")
     spec = config.CaseSpec(name=f"narrow-n{nodes}-p{page_size}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=page_size, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
@@ -171,10 +166,9 @@ def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, page_size, plan, kernel
     # ragged: the split count is planned for the longest request, so the short ones' later splits are empty (an
     # empty partial) or a single, partial tile
 ])
-def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes, kernel):
+def test_flash_many_waves_and_ragged_splits(lib, prefix_lens, nodes, kernel, seed):
     """Batches whose CTAs (row tile x split x request) outnumber the SMs several times over, with requests of very
     different lengths under one split plan. Every row must match float64 and give the same bits on every run."""
-    seed = int.from_bytes(os.urandom(4), "little")
     spec = config.CaseSpec(name=f"waves-b{len(prefix_lens)}-n{nodes}", prefix_lens=prefix_lens,
                            tree=config.TreeSpec("random", nodes=nodes), heads=8, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
@@ -197,13 +191,13 @@ def test_limits_t1025_h64_and_a_256k_prefix(lib):
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
-def test_pages_past_4_gib_of_pool_give_the_same_bits(lib, page_size):
+def test_pages_past_4_gib_of_pool_give_the_same_bits(lib, page_size, seed):
     """A server's KV pool holds tens of GB. A request's pages at the pool's far end put its rows past 2^31 elements and
     4 GiB of bytes from the pool's start: the offsets of the gather, of the naive kernel and of the tensor map's
     coordinates (page size 64). The same case with its pages moved there gives every kernel the same bits as in a pool
     of its own size; the rest of the big pool is NaN, so a wrong offset cannot pass."""
     spec = config.CaseSpec("far-pages", (3000, 700), config.TreeSpec("ddtree", budget=64, depth=15, topk=64,
-                           vocab=32000), 8, page_size, int.from_bytes(os.urandom(4), "little"), "kimi-k2.6",
+                           vocab=32000), 8, page_size, seed, "kimi-k2.6",
                            config.DEFAULT_TOLERANCES)
     case = vectors.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
@@ -281,13 +275,12 @@ def test_verify_catches_an_output_perturbed_after_the_kernel(lib, monkeypatch):
     assert any(r.out is not None and r.out.worst[0][0] == (1, 2, 300) for r in bad)
 
 
-def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path):
+def test_verify_smoke_and_fuzz_200_pass(lib, tmp_path, seed):
     from kdev import verify
 
     kernels = ["naive", "flash", "ddtree", "accept", "compact"]
     run = verify.run_suite("smoke", kernels, repeat=2, lib_path=lib.path, write_ledger=False)
     assert run.passed, run.record["failures"]
-    seed = int.from_bytes(os.urandom(4), "little")
     run = verify.run_fuzz(200, seed, kernels, max_prefix=16384, lib_path=lib.path, failures_root=tmp_path,
                           write_ledger=False)
     assert run.passed, (seed, run.record["failures"][:3])

@@ -101,7 +101,7 @@ typedef struct VerifyAttnParams {
 typedef struct DDTreeBuildParams {
   uint32_t struct_size;
   int32_t batch;
-  int32_t depth;               /* D: drafter depths 1..D */
+  int32_t depth;               /* D: drafter depths 1..D (0: the root alone) */
   int32_t topk;                /* K: log-probs per depth (descending) */
   int32_t budget;              /* N: nodes besides the root */
   int32_t mask_words;          /* W >= ceil((1 + budget) / 64) */
