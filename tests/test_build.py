@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -371,3 +372,29 @@ def test_a_candidate_with_this_checkouts_sources_reuses_its_build(tmp_path, buil
     (copy / "verify_attn.cu").write_text((copy / "verify_attn.cu").read_text() + "\n// edited\n")
     other = kbuild.build(cfg, kernel_dir=copy, variant=True)
     assert not other.cached and other.library != own.library and "-variant-" in other.folder.name
+
+
+@pytest.mark.nvcc
+def test_the_sass_identity_check_passes_a_move_and_catches_one_changed_instruction(tmp_path, build_config):
+    """scripts/sass-identical.sh, the proof that a source move changed no machine code, cannot pass vacuously: the same
+    sources split differently pass, a one-constant change in one kernel fails (the negative control)."""
+    cfg = build_config(tmp_path / "build", ["sm_90"])
+    base = kbuild.build(cfg)
+    moved = tmp_path / "moved" / "kernels"  # the naive kernel's file split in two: the same translation unit
+    shutil.copytree(kbuild.KERNEL_DIR, moved)
+    text = (moved / "verify_attn.cu").read_text()
+    cut = text.index("namespace kdtree {")
+    (moved / "naive_head.cuh").write_text(text[:cut])
+    (moved / "verify_attn.cu").write_text('#include "naive_head.cuh"\n' + text[cut:])
+    changed = tmp_path / "changed" / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, changed)
+    src = (changed / "verify_attn.cu").read_text()
+    assert "l = 0.f" in src
+    (changed / "verify_attn.cu").write_text(src.replace("l = 0.f", "l = 0.5f", 1))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sass-identical.sh"
+    for tree, code in ((moved, 0), (changed, 1)):
+        lib = kbuild.build(cfg, kernel_dir=tree, variant=True).library
+        r = subprocess.run(["bash", str(script), str(base.library), "--library", str(lib), "--arch", "sm_90"],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+        assert r.returncode == code, r.stdout + r.stderr
+    assert "verify_attn_naive_kernel" in r.stdout and "changed" in r.stdout
