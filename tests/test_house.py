@@ -75,3 +75,14 @@ def test_a_tests_seed_replays_from_the_run_seed_and_its_id():
         return re.search(r"seed (\d+) \(KDEV_TEST_SEED=", r.stdout).group(1)
 
     assert run("7") == run("7") != run("8")
+
+
+def test_the_bench_backends_are_the_verify_kernels_and_the_registered_runners():
+    from kdev import abi
+
+    assert set(bench.ATTENTION_BACKENDS) == set(abi.VERIFY_KERNELS) | set(bench.RUNNERS)
+
+
+def test_no_bench_module_is_over_400_lines():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "kdev" / "bench").glob("*.py")}
+    assert max(sizes.values()) <= 400, sizes

@@ -1,0 +1,203 @@
+"""The backends: the inputs of a shape, and a runner per backend, registered by name (RUNNERS); a new peer is a
+Runner subclass and one register() line, or any function through --peer module:function."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from kdev.bench.sweeps import Shape
+from kdev.config import LATENT_DIM, QK_DIM
+from kdev.errors import BadInput
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def make_inputs(shape: Shape, seed: int, device):
+    """Random q and paged KV on the GPU (shuffled pages), DDTree / chain / star / random trees from the
+    reference. Returns (VerifyInputs, tree sizes, prefix lens)."""
+    import torch
+
+    from kdev import abi, ddtree, vectors
+    from kdev.config import CaseSpec, TreeSpec, load_model
+
+    rng = np.random.default_rng(seed)
+    if shape.tree == "ddtree":
+        ts = TreeSpec("ddtree", budget=shape.budget, depth=15, topk=shape.budget, vocab=32000)
+    else:
+        ts = TreeSpec(shape.tree, nodes=shape.T)
+    spec = CaseSpec("bench", (shape.prefix,) * shape.batch, ts, shape.heads, shape.page_size, seed, "kimi-k2.6",
+                    None)
+    trees, _ = vectors.make_trees(spec, rng)
+    sizes = [t.size for t in trees]
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_q = sum(sizes)
+    q = torch.randn(n_q, shape.heads, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    pages = [-(-(shape.prefix + t) // shape.page_size) for t in sizes]
+    num_pages = sum(pages)
+    kv = torch.randn(num_pages, shape.page_size, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    perm = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
+    page_table = torch.zeros(shape.batch, max(pages), dtype=torch.int32, device=device)
+    off = 0
+    for b, n in enumerate(pages):
+        page_table[b, :n] = perm[off:off + n]
+        off += n
+    mask = torch.from_numpy(ddtree.batch_tree_mask(trees).view(np.int64)).to(device)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=device)
+    x = abi.VerifyInputs(q, kv, page_table, torch.tensor(spec.prefix_lens, dtype=torch.int32, device=device), indptr,
+                         mask, load_model("kimi-k2.6").softmax_scale, max_qlen=max(sizes),
+                         max_kv_len=max(shape.prefix + t for t in sizes))
+    return x, sizes, list(spec.prefix_lens)
+
+
+# -------------------------------------------------------------------------------------------- backends
+class Runner:
+    """Constructed = prepared; run() launches once on the current stream; out/lse hold the last outputs;
+    poison() fills them with NaN (before every timed sample, outside the timed region)."""
+
+    out = None
+    lse = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def poison(self) -> None:
+        for t in (self.out, self.lse):
+            if t is not None:
+                t.fill_(float("nan"))
+
+
+class AbiRunner(Runner):
+    def __init__(self, lib, kernel: str, x):
+        self.lib, self.kernel = lib, kernel
+        self.out, self.lse = lib.alloc_outputs(x)
+        self.p = lib.params(x, self.out, self.lse)
+        self.ws = lib.alloc_workspace(kernel, self.p, x.q.device)
+        from kdev.abi import FLASH_KERNELS
+
+        self.splits = lib.flash_splits(self.p) if kernel in FLASH_KERNELS else None
+
+    def run(self) -> None:
+        self.lib.call(self.kernel, self.p)
+
+
+def _gathered(x):
+    """Per request: contiguous K [S, 576] and the bool mask [T, S] (prefix all True, tree from the bits)."""
+    import torch
+
+    from kdev import mla
+
+    out = []
+    ind = x.q_indptr.tolist()
+    for b, L in enumerate(x.prefix_lens.tolist()):
+        T = ind[b + 1] - ind[b]
+        k = mla.gather_kv(x.kv_cache, x.page_table[b], L + T).contiguous()
+        m = torch.ones(T, L + T, dtype=torch.bool, device=k.device)
+        m[:, L:] = mla.unpack_tree_mask(x.tree_mask, slice(ind[b], ind[b + 1]), T)
+        out.append((ind[b], ind[b + 1], k, m))
+    return out
+
+
+class TorchEagerRunner(Runner):
+    """float32 einsum + masked softmax + einsum, one request at a time."""
+
+    def __init__(self, x):
+        import torch
+
+        self.x, self.parts = x, _gathered(x)
+        self.out = torch.empty(x.q.shape[0], x.q.shape[1], LATENT_DIM, dtype=torch.float32, device=x.q.device)
+        self.lse = torch.empty(x.q.shape[0], x.q.shape[1], dtype=torch.float32, device=x.q.device)
+
+    def run(self) -> None:
+        import torch
+
+        for r0, r1, k, m in self.parts:
+            kf = k.float()
+            s = torch.einsum("thd,sd->ths", self.x.q[r0:r1].float(), kf) * self.x.scale
+            s = s.masked_fill(~m[:, None, :], float("-inf"))
+            self.lse[r0:r1] = torch.logsumexp(s, -1)
+            self.out[r0:r1] = torch.einsum("ths,sc->thc", torch.softmax(s, -1), kf[:, :LATENT_DIM])
+
+
+class TorchSdpaRunner(Runner):
+    """scaled_dot_product_attention with a boolean mask; K/V expanded over heads (no copy)."""
+
+    def __init__(self, x):
+        import torch
+
+        self.x, self.parts = x, _gathered(x)
+        self.out = torch.empty(x.q.shape[0], x.q.shape[1], LATENT_DIM, dtype=torch.bfloat16, device=x.q.device)
+
+    def run(self) -> None:
+        import torch.nn.functional as F
+
+        H = self.x.q.shape[1]
+        for r0, r1, k, m in self.parts:
+            q = self.x.q[r0:r1].permute(1, 0, 2).unsqueeze(0)  # [1, H, T, 576]
+            kk = k[None, None].expand(1, H, -1, -1)
+            vv = k[None, None, :, :LATENT_DIM].expand(1, H, -1, -1)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=m[None, None], scale=self.x.scale)
+            self.out[r0:r1] = o[0].permute(1, 0, 2)
+
+
+class TritonRunner(Runner):
+    """kdev/triton_peer.py: the contract as a Triton kernel (heads x nodes packed, split-KV, a Triton combine)
+    reading the paged cache itself; construction times its tile sizes at this shape and keeps the fastest
+    (recorded as `tiles`)."""
+
+    def __init__(self, x):
+        import torch
+
+        from kdev import triton_peer
+
+        sms = torch.cuda.get_device_properties(x.q.device).multi_processor_count
+        self.impl = triton_peer.TritonTreeVerify(x, sms)  # compiles, tunes, and leaves the chosen tile's output
+        self.out, self.lse, self.splits = self.impl.out, self.impl.lse, self.impl.splits
+        self.tiles, self.tiles_tuned = str(self.impl.config), self.impl.tuned or None
+
+    def run(self) -> None:
+        self.impl()
+
+
+class PeerRunner(Runner):
+    def __init__(self, fn, x):
+        self.fn, self.x = fn, x
+
+    def run(self) -> None:
+        x = self.x
+        res = self.fn(x.q, x.kv_cache, x.page_table, x.prefix_lens, x.q_indptr, x.tree_mask, x.scale)
+        self.out, self.lse = (res if isinstance(res, tuple) else (res, None))
+
+
+def load_peer(spec: str):
+    if ":" not in spec:
+        raise BadInput(f"--peer {spec!r}: expected module:function")
+    mod, fn = spec.split(":", 1)
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise BadInput(f"--peer {spec}: cannot load: {e}") from None
+    if not callable(f):
+        raise BadInput(f"--peer {spec}: not callable")
+    return f
+
+
+# The peers by name: a backend that needs only the inputs (the verify kernels need a library, --peer a function). A new
+# peer is a Runner subclass and one line here.
+RUNNERS: dict[str, type[Runner]] = {"torch-eager": TorchEagerRunner, "torch-sdpa": TorchSdpaRunner,
+                                    "triton": TritonRunner}
+
+
+def make_runner(name: str, x, lib, peers: dict, others: dict | None = None) -> Runner:
+    from kdev.abi import VERIFY_KERNELS
+
+    if name in VERIFY_KERNELS:
+        return AbiRunner(lib, name, x)
+    if others and name in others:  # KERNEL@REF
+        other_lib, kernel = others[name]
+        return AbiRunner(other_lib, kernel, x)
+    if name in RUNNERS:
+        return RUNNERS[name](x)
+    if name in peers:
+        return PeerRunner(peers[name], x)
+    raise BadInput(f"unknown backend {name!r}")
