@@ -1,0 +1,159 @@
+"""The library's entry points as torch custom ops, the way serving engines call custom kernels.
+
+    torch.ops.kdev.verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel,
+                               max_qlen, max_kv_len) -> (out, lse)
+    torch.ops.kdev.build_ddtree(log_probs, token_ids, root_tokens, prefix_lens, budget)
+        -> (node_tokens, parents, depths, positions, tree_mask, node_count)
+    torch.ops.kdev.accept_greedy(node_tokens, parents, node_count, target_argmax) -> (accepted, accept_len, bonus_token)
+    torch.ops.kdev.compact_kv(kv_cache, page_table, prefix_lens, accepted, accept_len) -> ()   (kv_cache in place)
+
+On CUDA tensors each runs the library's kernel (through kdev/abi.py, the one binding) on the current stream; it
+allocates its outputs (and the flash call's workspace) from torch's allocator, so it can be captured in a CUDA graph.
+On CPU tensors it runs the float64 / exact reference (kdev/mla.py, kdev/ddtree.py), so the same model code runs without
+a GPU. Each op has a fake implementation (shapes and dtypes only) for torch.compile: the op is one node of the graph,
+no break around it. Arguments are checked as the CLI checks them (abi.check_inputs: one line, AbiArgumentError).
+
+`kernel` picks the verify kernel: "flash" (default), "flash-portable", "naive". `max_qlen` / `max_kv_len` are the host
+bounds the flash plan needs; 0 computes them from the tensors (a device-to-host read: pass them under graph capture).
+Importing this module registers the ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kdev import abi, cabi, ddtree, mla
+
+_LIBRARY: list = []  # the library the CUDA ops run, loaded on first use (abi.load_library: built for this GPU)
+
+
+def library() -> abi.Library:
+    if not _LIBRARY:
+        _LIBRARY.append(abi.load_library())
+    return _LIBRARY[0]
+
+
+def _tree_kernels() -> abi.TreeKernels:
+    return abi.TreeKernels(library())
+
+
+# ------------------------------------------------------------------------------------------------ verify
+@torch.library.custom_op("kdev::verify_attn", mutates_args=())
+def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
+                q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = "flash",
+                max_qlen: int = 0, max_kv_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    x = abi.VerifyInputs(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale,
+                         max_qlen or None, max_kv_len or None)
+    n_q, heads, _ = q.shape
+    if q.device.type == "cpu":
+        out = torch.empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16)
+        lse = torch.empty(n_q, heads, dtype=torch.float32)
+        abi.check_inputs(x, out, lse)
+        ref_out, ref_lse = mla.reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale)
+        return ref_out.to(torch.bfloat16), ref_lse.to(torch.float32)
+    if kernel not in abi.VERIFY_KERNELS:
+        raise abi.AbiArgumentError(f"kernel {kernel!r}: one of {', '.join(abi.VERIFY_KERNELS)}")
+    lib = library()
+    out = torch.empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)
+    p = lib.params(x, out, lse)
+    workspace = None
+    if kernel in abi.FLASH_KERNELS:
+        need = lib.workspace_size(p)
+        if need:
+            workspace = torch.empty(need, dtype=torch.uint8, device=q.device)
+            p.workspace, p.workspace_bytes = workspace.data_ptr(), need
+    lib.call(kernel, p)
+    return out, lse
+
+
+@verify_attn.register_fake
+def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0):
+    n_q, heads, _ = q.shape
+    return (q.new_empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16),
+            q.new_empty(n_q, heads, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------- trees
+@torch.library.custom_op("kdev::build_ddtree", mutates_args=())
+def build_ddtree(log_probs: torch.Tensor, token_ids: torch.Tensor, root_tokens: torch.Tensor,
+                 prefix_lens: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor]:
+    if log_probs.device.type != "cpu":
+        out = _tree_kernels().build_ddtree(log_probs, token_ids, root_tokens, prefix_lens, budget)
+        return tuple(out[k] for k in ("node_tokens", "parents", "depths", "positions", "tree_mask", "node_count"))
+    B, t = log_probs.shape[0], 1 + budget
+    W = (t + 63) // 64
+    tokens, parents, depths, positions = (torch.full((B, t), -1, dtype=torch.int32) for _ in range(4))
+    mask = torch.zeros(B, t, W, dtype=torch.int64)
+    count = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        dist = ddtree.DrafterDist(log_probs[b].numpy(), token_ids[b].numpy().astype(np.int64))
+        tree = ddtree.build_ddtree(dist, budget, int(root_tokens[b]))
+        n = tree.size
+        tokens[b, :n] = torch.from_numpy(tree.tokens)
+        parents[b, :n] = torch.from_numpy(tree.parents)
+        depths[b, :n] = torch.from_numpy(tree.depths)
+        positions[b, :n] = torch.from_numpy(tree.positions(int(prefix_lens[b])))
+        mask[b, :n] = torch.from_numpy(ddtree.tree_mask_rows(tree, W).view(np.int64))
+        count[b] = n
+    return tokens, parents, depths, positions, mask, count
+
+
+@build_ddtree.register_fake
+def _(log_probs, token_ids, root_tokens, prefix_lens, budget):
+    B, t = log_probs.shape[0], 1 + budget
+    i32 = log_probs.new_empty(B, t, dtype=torch.int32)
+    return (i32, i32.clone(), i32.clone(), i32.clone(),
+            log_probs.new_empty(B, t, (t + 63) // 64, dtype=torch.int64), log_probs.new_empty(B, dtype=torch.int32))
+
+
+def _tree_of(tokens: torch.Tensor, parents: torch.Tensor, n: int) -> ddtree.Tree:
+    par = parents[:n].numpy().astype(np.int64)
+    depth = np.zeros(n, np.int64)
+    for i in range(1, n):
+        depth[i] = depth[par[i]] + 1
+    return ddtree.Tree(tokens[:n].numpy().astype(np.int64), par, depth)
+
+
+@torch.library.custom_op("kdev::accept_greedy", mutates_args=())
+def accept_greedy(node_tokens: torch.Tensor, parents: torch.Tensor, node_count: torch.Tensor,
+                  target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if node_tokens.device.type != "cpu":
+        return tuple(_tree_kernels().accept_greedy(node_tokens, parents, node_count, target_argmax))
+    B, T = node_tokens.shape
+    accepted = torch.full((B, T), -1, dtype=torch.int32)
+    length = torch.zeros(B, dtype=torch.int32)
+    bonus = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n = int(node_count[b])
+        acc = ddtree.accept_greedy(_tree_of(node_tokens[b], parents[b], n), target_argmax[b, :n].numpy())
+        accepted[b, :len(acc.nodes)] = torch.from_numpy(np.asarray(acc.nodes))
+        length[b], bonus[b] = len(acc.nodes), acc.bonus_token
+    return accepted, length, bonus
+
+
+@accept_greedy.register_fake
+def _(node_tokens, parents, node_count, target_argmax):
+    B, T = node_tokens.shape
+    return (node_tokens.new_empty(B, T, dtype=torch.int32), node_tokens.new_empty(B, dtype=torch.int32),
+            node_tokens.new_empty(B, dtype=torch.int32))
+
+
+@torch.library.custom_op("kdev::compact_kv", mutates_args=("kv_cache",))
+def compact_kv(kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor, accepted: torch.Tensor,
+               accept_len: torch.Tensor) -> None:
+    if kv_cache.device.type != "cpu":
+        _tree_kernels().compact_kv(kv_cache, page_table, prefix_lens, accepted, accept_len)
+        return
+    bits = kv_cache.view(torch.int16)
+    for b in range(accepted.shape[0]):
+        n = int(accept_len[b])
+        moved = ddtree.compact_kv(bits.numpy(), page_table[b].numpy(), int(prefix_lens[b]), accepted[b, :n].numpy())
+        bits.copy_(torch.from_numpy(moved))
+
+
+@compact_kv.register_fake
+def _(kv_cache, page_table, prefix_lens, accepted, accept_len):
+    return None

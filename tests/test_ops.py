@@ -1,0 +1,87 @@
+"""The torch custom ops on CPU tensors (the reference path CI runs; the CUDA path is tests/gpu): their outputs, their
+fake implementations under torch.compile (one node, no graph break), and the CLI's argument checks."""
+
+import numpy as np
+import pytest
+import torch
+
+from kdev import abi, config, ddtree, mla, ops, vectors  # noqa: F401  (ops: importing it registers torch.ops.kdev)
+
+
+@pytest.fixture(scope="module")
+def case():
+    return vectors.generate_case(config.load_suite("smoke").cases[3])
+
+
+def _args(case):
+    t = case.tensors
+    return (t["q"], t["kv_cache"], t["page_table"], t["prefix_lens"], t["q_indptr"], t["tree_mask"], case.scale)
+
+
+def test_verify_attn_on_cpu_is_the_float64_reference(case):
+    out, lse = torch.ops.kdev.verify_attn(*_args(case))
+    ref_out, ref_lse = mla.reference_verify_attn(*_args(case))
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out, ref_out.to(torch.bfloat16)) and torch.equal(lse, ref_lse.to(torch.float32))
+    assert torch.isfinite(out.float()).all()
+
+
+def test_the_ops_pass_torchs_own_checks(case):
+    torch.library.opcheck(torch.ops.kdev.verify_attn.default, _args(case),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_verify_attn_compiles_as_one_node(case):
+    def step(q, kv, pt, pl, qi, tm):
+        out, lse = torch.ops.kdev.verify_attn(q, kv, pt, pl, qi, tm, case.scale)
+        return out.float().sum(-1) + lse
+
+    eager = step(*_args(case)[:-1])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*_args(case)[:-1])
+    assert torch.equal(eager, compiled)
+
+
+def test_bad_arguments_are_the_clis_one_line(case):
+    args = list(_args(case))
+    args[0] = args[0][:, :, :512].contiguous()
+    with pytest.raises(abi.AbiArgumentError, match="q: rows are 512 wide, expected 576"):
+        torch.ops.kdev.verify_attn(*args)
+
+
+def test_tree_ops_on_cpu_are_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    B, depth, topk, budget = 3, 5, 6, 20
+    dists = [ddtree.synthetic_drafter(rng, depth, topk, 500) for _ in range(B)]
+    roots = torch.tensor(rng.integers(0, 500, B), dtype=torch.int32)
+    prefix = torch.tensor(rng.integers(0, 1000, B), dtype=torch.int32)
+    lp = torch.from_numpy(np.stack([d.log_probs for d in dists]))
+    ids = torch.from_numpy(np.stack([d.token_ids for d in dists])).to(torch.int32)
+    tokens, parents, depths, positions, mask, count = torch.ops.kdev.build_ddtree(lp, ids, roots, prefix, budget)
+    for b, d in enumerate(dists):
+        tree = ddtree.build_ddtree(d, budget, int(roots[b]))
+        n = tree.size
+        assert int(count[b]) == n and tokens[b, :n].tolist() == tree.tokens.tolist()
+        assert parents[b, :n].tolist() == tree.parents.tolist() and (parents[b, n:] == -1).all()
+        assert positions[b, :n].tolist() == tree.positions(int(prefix[b])).tolist()
+        assert np.array_equal(mask[b, :n].numpy(), ddtree.tree_mask_rows(tree, mask.shape[2]).view(np.int64))
+    target = tokens.clone()  # the target agrees with the drafter along each first-child chain
+    accepted, length, bonus = torch.ops.kdev.accept_greedy(tokens, parents, count, target)
+    for b in range(B):
+        n = int(count[b])
+        tree = ddtree.Tree(tokens[b, :n].numpy().astype(np.int64), parents[b, :n].numpy().astype(np.int64),
+                           depths[b, :n].numpy().astype(np.int64))
+        acc = ddtree.accept_greedy(tree, target[b, :n].numpy())
+        assert accepted[b, :int(length[b])].tolist() == list(acc.nodes) and int(bonus[b]) == acc.bonus_token
+
+
+def test_compact_kv_on_cpu_moves_the_accepted_rows(case):
+    t = case.tensors
+    kv = t["kv_cache"].clone()
+    torch.ops.kdev.compact_kv(kv, t["page_table"], t["prefix_lens"], t["accept_nodes"], t["accept_len"])
+    ind = t["q_indptr"].tolist()
+    for b in range(len(ind) - 1):
+        L = int(t["prefix_lens"][b])
+        for i in range(int(t["accept_len"][b])):
+            dst = mla.gather_kv(kv, t["page_table"][b], L + i + 1)[-1]
+            src = mla.gather_kv(t["kv_cache"], t["page_table"][b], L + int(t["accept_nodes"][b, i]) + 1)[-1]
+            assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
