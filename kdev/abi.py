@@ -18,8 +18,7 @@ import torch
 
 from kdev import build as kbuild
 from kdev import cabi
-from kdev.cabi import (AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, STATUS,  # noqa: F401
-                       VerifyAttnParams)
+from kdev.cabi import AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, VerifyAttnParams
 from kdev.errors import BadInput, EnvironmentMissing
 
 # flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows

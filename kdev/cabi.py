@@ -25,7 +25,8 @@ HEADER = REPO_ROOT / "kernels" / "include" / "kdev" / "kdtree.h"  # the project'
 _SCALARS = {"uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint64_t": ctypes.c_uint64,
             "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "size_t": ctypes.c_size_t}
 # out-parameters of the plan entry points, written through a pointer the caller passes with ctypes.byref
-_OUT_POINTERS = {"int": ctypes.c_int, "size_t": ctypes.c_size_t, "double": ctypes.c_double}
+_OUT_POINTERS = {"int": ctypes.c_int, "size_t": ctypes.c_size_t, "double": ctypes.c_double,
+                 "unsigned long long": ctypes.c_uint64}
 
 
 class HeaderError(BadInput):
@@ -54,6 +55,7 @@ class Contract:
     status: dict             # code -> what it means (the status codes' comments)
     structs: dict            # name -> ctypes.Structure subclass, fields in the header's order
     functions: dict          # name -> (restype, [argtypes])
+    variant_functions: frozenset  # the names only a variant's library exports (#ifdef KDTREE_VARIANT_EXPORTS)
 
 
 def _parse_constants(raw: str) -> tuple[dict, dict]:
@@ -111,7 +113,7 @@ def _arg_type(decl: str, structs: dict, where: str):
         return ctypes.c_char_p
     if stars == 2 and base == "char":
         return ctypes.POINTER(ctypes.c_char_p)
-    if stars == 1 and base in _OUT_POINTERS and "const" not in decl:
+    if stars == 1 and base in (*_OUT_POINTERS, "unsigned long long") and "const" not in decl:
         return ctypes.POINTER(_OUT_POINTERS[base])
     if stars == 1:
         return ctypes.c_void_p  # a data pointer (device memory)
@@ -145,7 +147,9 @@ def read_contract(header: Path = HEADER) -> Contract:
     constants, status = _parse_constants(raw)
     text = _strip_comments(raw)
     structs = _parse_structs(text)
-    return Contract(constants, status, structs, _parse_functions(text, structs))
+    variant = "".join(re.findall(r"^#ifdef KDTREE_VARIANT_EXPORTS\n(.*?)^#endif", text, flags=re.M | re.S))
+    return Contract(constants, status, structs, _parse_functions(text, structs),
+                    frozenset(re.findall(r"\b(kdtree_\w+)\(", variant)))
 
 
 CONTRACT = read_contract()

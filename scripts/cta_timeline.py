@@ -120,7 +120,7 @@ def _read_on_gpu(library: str, shape: str, calls: int) -> np.ndarray:
     read = getattr(lib.lib, "kdtree_cta_probe_read", None)
     if read is None:
         raise EnvironmentMissing(f"{library}: no kdtree_cta_probe_read (build the library from the probe patch)")
-    read.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    # typed by kdev/cabi.py from kdtree.h's variant exports, as every entry point is
     (s,) = bench.expand(bench.load_bench(), None, [shape], None)
     x, _, _ = bench.make_inputs(s, 0, torch.device("cuda"))
     runner = bench.AbiRunner(lib, "flash", x)

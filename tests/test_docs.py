@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# the first design's documents, which docs/architecture.md replaced; spelled in parts so that this file cites neither
+RETIRED = r"\b(" + "DESIGN" + r"\.md|" + "KERNEL" + "-NOTES" + r"(?:\.md)?)"
 
 
 def test_the_cli_reference_is_what_the_cli_prints():
@@ -19,13 +21,12 @@ def test_every_document_a_file_cites_is_in_the_repository():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     missing = []
     for f in tracked:
-        if not f.endswith((".py", ".cu", ".cuh", ".h", ".md", ".sh", ".yaml", ".toml")) or f.startswith("docs/history/") \
-                or f == "tests/test_docs.py":  # the history quotes what was; this file names what must not be cited
+        if not f.endswith((".py", ".cu", ".cuh", ".h", ".md", ".sh", ".yaml", ".toml")) or f.startswith("docs/history/"):
             continue
         text = (REPO / f).read_text(errors="replace")
         for cited in re.findall(r"\b((?:docs|kernels|variants|benchmarks)/[\w./-]+\.md)\b", text):
             if not (REPO / cited).is_file():
                 missing.append(f"{f}: {cited}")
-        for cited in re.findall(r"\b(DESIGN\.md|KERNEL-NOTES(?:\.md)?)", text):
+        for cited in re.findall(RETIRED, text):
             missing.append(f"{f}: {cited}")
     assert missing == []

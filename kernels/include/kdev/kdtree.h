@@ -184,6 +184,13 @@ int kdtree_bench_loop_tile_bytes(int i);
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       kdtree_stream_t stream);
 
+/* Exported only by a library built with a variant that adds it (never defined here, so never compiled in): the CTA
+ * timeline probe of variants/flash-v24-probe-timeline.patch, read by scripts/cta_timeline.py. Copies up to max_records
+ * records to `host` and sets *count to those written since the last read. */
+#ifdef KDTREE_VARIANT_EXPORTS
+int kdtree_cta_probe_read(unsigned long long* host, int max_records, int* count);
+#endif
+
 #ifdef __cplusplus
 }
 #endif
