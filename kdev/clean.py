@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kdev import verify
-from kdev.fsutil import is_dead_writers_temp, read_json_record, remove_dead_writers_temps
+from kdev.fsutil import is_dead_writers_temp, read_json_record
 
 
 @dataclass
@@ -49,6 +49,11 @@ def _kept_libraries(build_dir: Path, records: list[dict]) -> set[Path]:
     return kept
 
 
+# what a build/ folder is, by its name's start (the longer prefix first)
+_WHY = (("ab-patch-", "a patch applied to kernels/ (made again from the patch on demand)"),
+        ("ab-", "a revision's kernels/ (rebuilt from git on demand)"))
+
+
 def plan(repo: Path, keep_records: int = 1000) -> list[Item]:
     """What `kdev clean --yes` would remove from the checkout at `repo`."""
     build_dir = repo / "build"
@@ -61,9 +66,7 @@ def plan(repo: Path, keep_records: int = 1000) -> list[Item]:
             libs = {p.resolve() for p in folder.rglob("*.so")}
             if libs & kept_libs:
                 continue
-            named = {"ab-": "a revision's kernels/ (rebuilt from git on demand)",
-                     "ab-patch-": "a patch applied to kernels/ (made again from the patch on demand)"}
-            why = next((w for prefix, w in sorted(named.items(), reverse=True) if folder.name.startswith(prefix)),
+            why = next((w for prefix, w in _WHY if folder.name.startswith(prefix)),
                        "a build no latest record and no passing verify names")
             items.append(Item(folder, _size(folder), why))
         for p in sorted(build_dir.rglob(".*")):
@@ -82,13 +85,12 @@ def plan(repo: Path, keep_records: int = 1000) -> list[Item]:
     return items
 
 
-def remove(items: list[Item], repo: Path) -> None:
+def remove(items: list[Item]) -> None:
     for it in items:
         if it.path.is_dir() and not it.path.is_symlink():
             shutil.rmtree(it.path, ignore_errors=True)
         else:
             it.path.unlink(missing_ok=True)
-    remove_dead_writers_temps(repo / "build")
 
 
 def summary(items: list[Item]) -> dict:

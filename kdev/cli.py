@@ -737,7 +737,7 @@ def clean_cmd(
     repo = project.require_root()
     items = clean.plan(repo, keep_records)
     if yes:
-        clean.remove(items, repo)
+        clean.remove(items)
     if json_out:
         report.emit_json({**clean.summary(items), "removed": yes})
         return

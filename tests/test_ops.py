@@ -18,12 +18,15 @@ def _args(case):
     return (t["q"], t["kv_cache"], t["page_table"], t["prefix_lens"], t["q_indptr"], t["tree_mask"], case.scale)
 
 
-def test_verify_attn_on_cpu_is_the_float64_reference(case):
+def test_verify_attn_on_cpu_gives_the_golden_outputs(case):
+    """Against the case's stored goldens (float64 rounded to float32), not the function the op calls: within the bf16
+    rounding of out and the float32 rounding of lse."""
     out, lse = torch.ops.kdev.verify_attn(*_args(case))
-    ref_out, ref_lse = mla.reference_verify_attn(*_args(case))
+    golden_out, golden_lse = case.tensors["out"].double(), case.tensors["lse"].double()
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert torch.equal(out, ref_out.to(torch.bfloat16)) and torch.equal(lse, ref_lse.to(torch.float32))
-    assert torch.isfinite(out.float()).all()
+    assert ((out.double() - golden_out).abs() <= 2.0**-8 * golden_out.abs() + 1e-30).all()
+    assert ((lse.double() - golden_lse).abs() <= 2.0**-23 * golden_lse.abs()).all()
+    assert torch.isfinite(out.float()).all() and not torch.equal(out, torch.zeros_like(out))
 
 
 def test_the_ops_pass_torchs_own_checks(case):
