@@ -1,6 +1,6 @@
 """Errors that carry kdev's exit codes (docs/architecture.md §5).
 
-Stage modules raise these; cli.py turns them into one line on stderr and the exit code. Nothing else
+Stage modules raise these; kdev/cli turns them into one line on stderr and the exit code. Nothing else
 in kdev calls sys.exit.
 """
 

@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kdev import ab
-from kdev.cli import _ab_lines, _ab_rows, app
+from kdev.cli import app
+from kdev.cli.views import ab_lines as _ab_lines, ab_rows as _ab_rows
 from kdev.errors import BadInput
 
 

@@ -223,7 +223,7 @@ def test_bench_without_a_gpu_says_that_first():
 
 
 def test_a_build_outside_git_is_said_so():
-    from kdev.cli import git_words
+    from kdev.cli.views import git_words
 
     assert git_words({"git_sha": None}) == "not from a git checkout"
     assert git_words({"git_sha": "0123456789abcdef"}) == "git 0123456789ab"

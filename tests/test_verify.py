@@ -198,7 +198,7 @@ def test_fuzz_inputs_come_from_worker_processes_in_order_and_equal_direct_genera
 
 
 def test_fuzz_summary_keeps_the_worst_of_every_metric():
-    from kdev.cli import _worst_rows
+    from kdev.cli.views import worst_rows as _worst_rows
     from kdev.compare import compare
     from kdev.config import Tolerance
 

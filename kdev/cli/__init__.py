@@ -1,0 +1,182 @@
+"""kdev command line: one thin function per command (parsing, output mode, exit code); the work lives in the stage
+modules, what a person sees in kdev/cli/views.py. The commands of the loop are in kdev/cli/loop.py (gen-refs, build,
+verify, bench, ab), the rest in kdev/cli/tools.py (plan, sass, clean, deploy-check, all). Exit codes
+(docs/architecture.md §5): 0 success, 1 a check failed, 2 bad usage or input, 3 environment missing. --json prints
+exactly one JSON document on stdout; progress and logs go to stderr."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kdev import __version__, report
+from kdev.errors import EXIT_BAD_INPUT, EnvironmentMissing, KdevError
+
+app = typer.Typer(
+    name="kdev",
+    help="Develop and validate CUDA kernels for tree speculative decoding on MLA models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # plain help (click's layout): a flag shows no placeholder there, -h among them
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 1000},
+)
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (logs go to stderr).")
+# the shapes of kdev bench and kdev plan: a named sweep (their own --sweep default), or these
+ShapeOpt = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,H=8 (repeatable).")
+AxisOpt = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable).")
+# verify and bench: another GPU's split plan, run on this one
+PlanGpuOpt = typer.Option(
+    None, "--plan-gpu", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. rtx-pro-6000 with "
+    "flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts and workspace, "
+    "run here.")
+
+
+def command(fn):
+    """Turn KdevError into one line on stderr and its exit code; never a traceback for bad input. With --json, an error
+    is still exactly one JSON document on stdout: {"error": ..., "exit_code": ...}."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        json_out = bool(kwargs.get("json_out"))
+
+        def fail(message: str, code: int):
+            report.error(message)
+            if json_out:
+                report.emit_json({"error": message, "exit_code": code})
+            raise typer.Exit(code) from None
+
+        try:
+            if kwargs.get("repo") is None:  # every command works on the checkout around the current directory
+                from kdev import project
+
+                project.require_root()
+            return fn(*args, **kwargs)
+        except KdevError as e:
+            fail(str(e), e.exit_code)
+        except OSError as e:  # a path the user gave that cannot be read or written: bad input, said in one line
+            where = f"{e.filename}: " if e.filename else ""
+            fail(f"{where}{e.strerror or e}", EXIT_BAD_INPUT)
+        except typer.BadParameter as e:  # raised by a command's own checks
+            if not json_out:
+                raise
+            hint = f"{e.param_hint}: " if getattr(e, "param_hint", None) else ""
+            fail(f"{hint}{e.format_message()}", EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except Terminated as e:
+            fail(f"terminated ({e.signal_name})", 128 + e.signum)
+
+    return wrapper
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"kdev {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_callback(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+):
+    """kdev: gen-refs -> build -> verify -> bench -> deploy-check."""
+
+
+def check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter("must be cpu or cuda", param_hint="--device")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EnvironmentMissing("--device cuda: no CUDA GPU visible to torch")
+
+
+def split_archs(values: Optional[list[str]]) -> Optional[list[str]]:
+    if not values:
+        return None
+    return [a.strip() for v in values for a in v.split(",") if a.strip()]
+
+
+def kernel_list(value: str, allowed, refs: bool = False) -> list[str]:
+    """--kernel's comma-separated names, each once; refs: KERNEL@REF names too (abi.kernel_ref checks them)."""
+    from kdev import abi
+
+    names = [k.strip() for k in value.split(",") if k.strip()]
+    bad = [k for k in names if k not in allowed and not (refs and abi.kernel_ref(k) is not None)]
+    if bad or not names:
+        raise typer.BadParameter(f"unknown kernel {bad[0] if bad else value!r} (have {', '.join(allowed)})",
+                                 param_hint="--kernel")
+    return list(dict.fromkeys(names))
+
+
+def write_json_file(path: Optional[Path], doc: dict) -> None:
+    if path:
+        import json
+
+        from kdev.fsutil import atomic_write_bytes
+
+        atomic_write_bytes(path, json.dumps(report._jsonable(doc), indent=2, allow_nan=False).encode())
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs: temp files and folders are removed
+    and child compilers killed as for Ctrl-C (the default action would end the process on the spot)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.signal_name = signum, signal.Signals(signum).name
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+from kdev.cli import loop, tools  # noqa: E402,F401  (registers the commands, in the order help lists them)
+
+# The command list shows each command's first paragraph; Typer's rich help would keep the docstring's line breaks
+# there (it joins them only in a command's own --help), so the list gets them joined.
+for _info in app.registered_commands:
+    if _info.short_help is None and _info.callback.__doc__:
+        _info.short_help = " ".join(inspect.cleandoc(_info.callback.__doc__).split("\n\n")[0].split())
+
+
+def _placeholders() -> None:
+    """Help shows what an option takes in words, not Python types: a flag takes nothing (`--force`, never
+    `--force <bool>`), a number N or X, a path PATH, anything else its option's name (`--arch ARCH`); a repeatable or
+    comma-separated option says so."""
+    import typing
+
+    for info in app.registered_commands:
+        fn = inspect.unwrap(info.callback)
+        hints = typing.get_type_hints(fn)
+        for name, param in inspect.signature(fn).parameters.items():
+            opt = param.default
+            if not isinstance(opt, typer.models.OptionInfo) or opt.metavar is not None:
+                continue
+            kind = hints.get(name)
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            base = args[0] if args else kind
+            many = typing.get_origin(base) is list
+            base = typing.get_args(base)[0] if many else base
+            long = next((d for d in [opt.default, *(opt.param_decls or ())] if isinstance(d, str) and
+                         d.startswith("--")), f"--{name}")
+            word = {bool: "", int: "N", float: "X", Path: "PATH"}.get(base, long[2:].upper().replace("-", "_"))
+            opt.metavar = f"{word}..." if many and word else word
+
+
+_placeholders()
+
+
+def main():
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_terminated)
+    app()

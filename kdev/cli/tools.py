@@ -1,0 +1,222 @@
+"""The commands around the loop: plan, sass, clean, deploy-check, all (see kdev/cli/__init__.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kdev import report
+from kdev.cli import AxisOpt, JsonOpt, ShapeOpt, app, command, split_archs, views
+from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing
+
+# ---------------------------------------------------------------------------------------------------- plan
+@app.command("plan")
+@command
+def plan_cmd(
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default: targets)."),
+    shape: Optional[list[str]] = ShapeOpt,
+    axis: Optional[list[str]] = AxisOpt,
+    gpu_name: Optional[str] = typer.Option(
+        None, "--gpu", help="A GPU of configs/gpus.yaml (e.g. rtx-pro-6000, h200); default: the GPU here, else the "
+        "deploy target's (configs/deploy.yaml target_arch)."),
+    sms: Optional[int] = typer.Option(None, "--sms", help="Plan for this many SMs instead of the GPU's."),
+    call: str = typer.Option("flash", "--call", help="flash or flash-portable (the kernels within sm_120's 99 KB)."),
+    library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to ask (default: "
+                                           "the last build)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default: configs/bench.yaml)."),
+    costs: bool = typer.Option(False, "--costs", help="Also the planner's model cost of the choices it weighed "
+                               "(full-tile and narrow split counts), the cheapest first, against the one it took."),
+    json_out: bool = JsonOpt,
+):
+    """What the flash call launches at DDTree shapes on a GPU (no GPU needed): kernels, row tiles, KV splits, CTAs
+    and waves, the caller's workspace, and the plan's slot use, row use and KV reads against the roofline floor."""
+    from kdev import bench, build
+    from kdev import plan as kplan
+
+    if call not in kplan.CALLS:
+        raise typer.BadParameter(f"must be one of {', '.join(kplan.CALLS)}", param_hint="--call")
+    shapes = bench.expand(bench.load_bench(config), sweep or (None if shape else "targets"), shape, axis)
+    gpu = kplan.resolve_gpu(gpu_name, sms)
+    path = library or build.latest_library()
+    if path is None:
+        raise EnvironmentMissing("no library built (build/latest.json missing or damaged): run 'kdev build'")
+    planner = kplan.PlanLibrary(build.library_file(Path(path)))
+    stale = planner.stale_note()
+    if stale:
+        report.warn(stale)
+    doc = kplan.plan(planner, shapes, gpu, call, costs)
+    if json_out:
+        report.emit_json(doc)
+    else:
+        views.show_plan(doc, gpu, call, costs)
+
+
+# ---------------------------------------------------------------------------------------------------- sass
+@app.command("sass")
+@command
+def sass_cmd(
+    kernel: Optional[str] = typer.Option(None, "--kernel",
+                                         help="Kernel name (or part of it); default: both flash kernels, or with "
+                                              "--against every kernel."),
+    arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
+    library: Optional[str] = typer.Option(None, "--library", help="Library (or its build folder) to read (default: "
+                                          "the last build); or a copy of kernels/, a git revision or a .patch of "
+                                          "kernels/, built first for --arch (default: build.yaml's archs)."),
+    against: Optional[str] = typer.Option(None, "--against",
+                                          help="A base build, named as --library is: compare the machine code of "
+                                               "each kernel with it instead (same, registers, changed, added, "
+                                               "removed)."),
+    expect_same: bool = typer.Option(False, "--expect-same",
+                                     help="With --against: exit 1 unless every compared kernel's SASS is identical "
+                                          "(other registers count as a difference)."),
+    json_out: bool = JsonOpt,
+):
+    """The SASS schedule of a kernel's tensor-core loops: HMMA accumulator chains in flight and how far each
+    HMMA's fragment load runs ahead of it, per arch, read from the built library (no GPU needed). With --against,
+    which kernels' machine code differs from another build's."""
+    from kdev import build as kbuild
+    from kdev import sass
+
+    if expect_same and against is None:
+        raise typer.BadParameter("needs --against (the build to compare with)", param_hint="--expect-same")
+    archs = split_archs(arch)
+    for ref in (library, against):  # a reference that names nothing is bad input, before any build is looked for
+        if ref is not None and kbuild.describe_library_ref(ref) is None:
+            raise BadInput(f"{ref}: {kbuild.NO_LIBRARY_REF}")
+    if library is None and kbuild.latest_library() is None:
+        raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
+    lib = _sass_library(library or str(kbuild.latest_library()), archs)
+    if against is not None:
+        base, kernel = _sass_library(against, archs), kernel or ""
+        rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
+        same = all(r["status"] == "same" for r in rows)
+        if json_out:
+            report.emit_json({"library": str(lib), "against": str(base), "kernel": kernel, "same": same,
+                              "kernels": rows})
+        else:
+            views.show_sass_compare(rows, base, lib, kernel)
+        if expect_same and not same:
+            raise typer.Exit(EXIT_CHECK_FAILED)
+        return
+    kernel = "verify_attn_flash" if kernel is None else kernel
+    rows = sass.report(sass.parse(sass.dump(lib)), kernel, archs)
+    if json_out:
+        report.emit_json({"library": str(lib), "kernel": kernel, "loops": rows})
+    else:
+        views.show_loops(rows, lib, kernel)
+
+
+def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
+    """The library file kdev sass reads for --library / --against: a library or its build folder as it is; a copy of
+    kernels/, a git revision or a patch of kernels/ built first (kbuild.library_for: an A/B variant, cached by content)
+    for the archs asked, else build.yaml's. A build that fails the resource gate is read all the same, with a warning:
+    its spills are what one wants to see."""
+    from kdev import build as kbuild
+    from kdev import config
+
+    if kbuild.describe_library_ref(ref) == "library":
+        return kbuild.library_file(Path(ref))
+    res = kbuild.library_for(ref, archs or list(config.load_build(None, None).archs), log=report.info)
+    if res.problems:
+        report.warn(f"{ref}: its build fails the resource gate ({res.problems[0]}); its SASS is read all the same")
+    return res.library
+
+
+# --------------------------------------------------------------------------------------------------- clean
+@app.command("clean")
+@command
+def clean_cmd(
+    yes: bool = typer.Option(False, "--yes", help="Remove what is listed (without it: only list, a dry run)."),
+    keep_records: int = typer.Option(1000, "--keep-records", min=1, help="Ledger records kept besides the newest "
+                                     "passing one of each sources and arch."),
+    json_out: bool = JsonOpt,
+):
+    """What builds, candidate trees, temps of killed runs and old ledger records take, and remove it with --yes."""
+    from kdev import clean, project
+
+    repo = project.require_root()
+    items = clean.plan(repo, keep_records)
+    if yes:
+        clean.remove(items)
+    if json_out:
+        report.emit_json({**clean.summary(items), "removed": yes})
+    else:
+        views.show_clean(items, repo, yes)
+
+
+# -------------------------------------------------------------------------------------------- deploy-check
+@app.command("deploy-check")
+@command
+def deploy_check_cmd(
+    repo: Optional[Path] = typer.Option(None, "--repo", help="Checkout to check (default: the one around the current "
+                                        "directory)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Deploy target arch (default: configs/deploy.yaml)."),
+    strict: bool = typer.Option(False, "--strict", help="Warnings fail too."),
+    require_gpu: bool = typer.Option(False, "--require-gpu", help="No GPU (or no NVML) fails instead of warning."),
+    json_out: bool = JsonOpt,
+):
+    """Git, build provenance, vectors, verification record and GPU state before a deploy."""
+    from kdev import deploy, project
+
+    if target is not None and not (target.startswith("sm_") and target[3:].rstrip("a").isdigit()):
+        raise typer.BadParameter(f"{target!r} is not an arch like sm_120", param_hint="--target")
+    if repo is None:
+        repo = project.require_root()
+    elif not project.is_checkout(repo):
+        raise BadInput(f"--repo {repo}: not a kdev checkout (no {project.MARKERS[0]} and {project.MARKERS[1]})")
+    probes, cfg = deploy.run_checks(repo, target, require_gpu)
+    failed = [p for p in probes if p.status == deploy.FAIL or (strict and p.status == deploy.WARN)]
+    if json_out:
+        report.emit_json({"repo": str(repo.resolve()), "target_arch": cfg.target_arch, "strict": strict,
+                          "ok": not failed, "probes": [p.to_dict() for p in probes]})
+    else:
+        views.show_deploy(probes, repo, cfg.target_arch, failed, strict)
+    if failed:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+# ----------------------------------------------------------------------------------------------------- all
+@app.command("all")
+@command
+def all_cmd(
+    suite: str = typer.Option("smoke", "--suite", help="The suite gen-refs checks and verify runs."),
+    sweep: str = typer.Option("smoke", "--sweep", help="The bench sweep."),
+    json_out: bool = JsonOpt,
+):
+    """The whole loop in order: gen-refs --check, build, verify, bench (smoke sweep), deploy-check.
+    Stops at the first failing stage; GPU stages are reported as skipped (not passed) without a GPU."""
+    import subprocess
+    import sys
+
+    import torch
+
+    have_gpu = torch.cuda.is_available()
+    stages = [("gen-refs", ["gen-refs", "--suite", suite, "--check"], False),
+              ("build", ["build"], False),
+              ("verify", ["verify", "--suite", suite], True),
+              ("bench", ["bench", "--sweep", sweep], True),
+              ("deploy-check", ["deploy-check"], False)]
+    results, code = [], 0
+    for name, args, needs_gpu in stages:
+        if needs_gpu and not have_gpu:
+            results.append({"stage": name, "status": "skipped", "reason": "no CUDA GPU", "exit_code": None})
+            report.info(report.line(report.styled("skip", "yellow"), f" {name}: no CUDA GPU"))
+            continue
+        report.info(report.line(report.styled(f"== {name}", "bold"), f": kdev {' '.join(args)}"))
+        proc = subprocess.run([sys.executable, "-m", "kdev", *args],
+                              stdout=subprocess.DEVNULL if json_out else None)
+        ok = proc.returncode == 0
+        results.append({"stage": name, "status": "passed" if ok else "failed", "exit_code": proc.returncode})
+        if not ok:
+            code = proc.returncode
+            break
+    done = {r["stage"] for r in results}
+    results += [{"stage": n, "status": "not run", "exit_code": None} for n, _, _ in stages if n not in done]
+    if json_out:
+        report.emit_json({"ok": code == 0, "stages": results})
+    else:
+        views.show_stages(results)
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,327 @@
+"""What the commands show a person: the tables and lines of each command's human output, from the documents the stage
+modules return (--json prints those documents as they are). Nothing here computes a result or decides an exit code."""
+
+from __future__ import annotations
+
+from kdev import report
+
+
+def pass_fail(passed: bool, word: str = "pass"):
+    """pass (or PASS) in green, FAIL in red."""
+    return report.styled(word, "green") if passed else report.styled("FAIL", "red")
+
+
+def verdict_mark(verdict: str):
+    """FAST, SLOW or SAME against a baseline, coloured."""
+    return report.styled(verdict, {"SLOW": "red", "FAST": "green"}.get(verdict, ""))
+
+
+def git_words(info: dict) -> str:
+    """'git <sha>' of a build's provenance, or what stands for none (a candidate built from a copy outside git)."""
+    sha = info.get("git_sha")
+    return f"git {sha[:12]}" if sha else "not from a git checkout"
+
+
+def is_microbenchmark(kernel: str) -> bool:
+    """ceilings.cu's kernels: the mma.sync peak and the flash loop ladder, not part of any call."""
+    return kernel.startswith(("mma_peak_kernel", "inner_loop_kernel", "grouped_loop_kernel"))
+
+
+# ------------------------------------------------------------------------------------------------ gen-refs
+def show_suite_check(suite: str, cases: int, path, problems: list[str]) -> None:
+    for p in problems:
+        report.error(p)
+    verdict = (report.styled("matches", "green") if not problems
+               else report.styled(f"{len(problems)} file(s) differ", "red"))
+    report.show(report.line(f"gen-refs --check {suite}: {cases} cases, ", verdict, f" ({path})"))
+
+
+def show_suite_written(suite: str, folder, manifest: dict) -> None:
+    rows = [[c["name"], "+".join(map(str, c["tree_sizes"])), c["spec"]["heads"], c["spec"]["page_size"],
+             ",".join(map(str, c["spec"]["prefix_lens"])), f"{c['bytes'] / 1e6:.2f}"] for c in manifest["cases"]]
+    report.show(report.table(f"suite {suite} -> {folder}", ["case", "T", "H", "page", "prefix", "MB"],
+                             rows, {"left": ("case",)}))
+    report.show(f"wrote {len(rows)} cases, {sum(c['bytes'] for c in manifest['cases']) / 1e6:.1f} MB")
+
+
+# --------------------------------------------------------------------------------------------------- build
+def show_build(res, verbose: bool) -> None:
+    """ptxas resources one row per kernel (its archs side by side), the flash calls' dynamic shared memory, the
+    embedded archs and the library's provenance; then the gate's problems."""
+    shown = [r for r in res.resources if verbose or not is_microbenchmark(r["kernel"])]
+    archs = list(dict.fromkeys(r["arch"] for r in shown))
+    by_kernel: dict = {}
+    for r in shown:  # one row per kernel, its archs' figures side by side ("255 / 255"): half the rows
+        by_kernel.setdefault(r["kernel"], {})[r["arch"]] = r
+
+    def per_arch(rs: dict, key: str) -> str:
+        return " / ".join(str(rs[a][key]) if a in rs else "-" for a in archs)
+
+    rows = [[k, per_arch(rs, "registers"), per_arch(rs, "spill_stores"), per_arch(rs, "spill_loads"),
+             per_arch(rs, "stack_frame"), per_arch(rs, "smem")] for k, rs in by_kernel.items()]
+    report.show(report.table(f"ptxas resources ({res.folder.name}), each column {' / '.join(archs)}",
+                             ["kernel", "regs", "spill st", "spill ld", "stack", "smem"], rows,
+                             {"left": ("kernel",)}))
+    hidden = [r for r in res.resources if r not in shown]
+    if hidden:
+        spills = sum(bool(r["spill_stores"] or r["spill_loads"]) for r in hidden)
+        report.show(f"and {len({r['kernel'] for r in hidden})} microbenchmark kernels (kdev bench --ceilings), "
+                    f"{'none spills' if not spills else f'{spills} spill'}: --verbose shows them")
+    if res.launches is None:
+        report.warn("this library's sources have no kdtree_flash_launch_plan: the flash kernels' dynamic "
+                    "shared memory is not reported")
+    elif res.launches:
+        report.show(report.table(
+            "flash calls: kernels launched and dynamic shared memory per block (set at launch: not in ptxas)",
+            ["kernel", "arch", "launched by", "dynamic smem", "limit"],
+            [[r["kernel"], r["arch"], ", ".join(r["calls"]), r["dynamic_smem"], r["limit"]] for r in res.launches],
+            {"left": ("kernel", "arch", "launched by")}))
+    emb = res.embedded
+    if emb.get("sass") is None:
+        report.warn("cuobjdump not found: embedded archs not confirmed (pip install 'kdev[build]')")
+    else:
+        report.show(f"embedded: SASS {', '.join(emb['sass']) or '-'}; PTX {', '.join(emb['ptx']) or '-'}")
+    info = res.build_info
+    dirty = " (dirty)" if info.get("git_dirty") else ""
+    state = "up to date, nothing compiled" if res.cached else f"built in {res.seconds:.1f} s"
+    report.show(f"{res.library}: {state}; sources {info['source_hash'][:12]}, "
+                f"{git_words(info)}{dirty}, nvcc {info['nvcc_version']}")
+    for p in res.problems:
+        report.error(p)
+
+
+# -------------------------------------------------------------------------------------------------- verify
+def show_verify(run, plan_gpu) -> None:
+    """A suite shows every case; a fuzz run (thousands of checks) its failures and one row per kernel; then the
+    failures, the kept regression vectors and one PASS/FAIL line."""
+    shown = run.results if run.kind == "suite" else [r for r in run.results if not r.passed]
+    rows = []
+    for r in shown:
+        vs = "" if r.against == "golden" else f" vs {r.against}"
+        if r.out is None:  # an error, or an exact-equality kernel
+            rows.append([r.case, r.kernel + vs, "-", "-", "-", r.error or r.note, pass_fail(r.passed)])
+            continue
+        rows.append([r.case, r.kernel + vs, report.fmt_float(r.out.max_abs), f"{r.out.cos_diff:.1e}",
+                     report.fmt_float(r.lse.max_abs), r.token.label() + (", same bits" if r.note else ""),
+                     pass_fail(r.passed)])
+    title = f"verify {run.record['suite']['name']} on {run.record['gpu']['name']} ({run.record['gpu']['arch']})"
+    if plan_gpu:
+        title += f", flash calls planned as for {plan_gpu.label}"
+    columns = ["case", "kernel", "max |err| out", "cos diff", "max |err| lse", "token-exact", "verdict"]
+    if rows:
+        report.show(report.table(title, columns, rows, {"left": ("case", "kernel")}))
+    if run.kind == "fuzz":
+        report.show(report.table(f"{title}: worst over all cases", ["kernel", *columns[2:]],
+                                 worst_rows(run.results), {"left": ("kernel",)}))
+        secs = run.record["suite"].get("seconds", {})
+        report.info("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in secs.items()))
+    for f in run.record["failures"]:
+        report.error(f"{f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}")
+    for path in run.saved_failures:
+        report.info(f"failing case kept as a regression vector: {path}")
+    per = run.record["kernels"]
+    summary = ", ".join(f"{k}: {v['checks'] - v['failed']}/{v['checks']} passed"
+                        + (f" ({v['bit_identical_to_first']} bit-identical to {next(iter(per))})"
+                           if v.get("bit_identical_to_first") else "") for k, v in per.items())
+    seed_note = f" (seed {run.fuzz_seed})" if run.fuzz_seed is not None else ""
+    report.show(report.line(pass_fail(run.passed, "PASS"), f" {summary}{seed_note}; ledger {run.ledger_path}"))
+
+
+def worst_rows(results) -> list[list]:
+    """One row per kernel (and pairwise comparison): the worst of each metric over all its checks."""
+    groups: dict[str, list] = {}
+    for r in results:
+        groups.setdefault(r.kernel + ("" if r.against == "golden" else f" vs {r.against}"), []).append(r)
+    rows = []
+    for name, rs in groups.items():
+        failed = sum(not r.passed for r in rs)
+        verdict = report.styled("pass", "green") if not failed else report.styled(f"FAIL {failed}", "red")
+        with_out = [r for r in rs if r.out is not None]
+        if not with_out:
+            rows.append([name, "-", "-", "-", f"{len(rs)} checks exact", verdict])
+            continue
+        ties = sum(r.token.ties for r in with_out if r.token)
+        same = sum(r.note == "bit-identical" for r in with_out)
+        rows.append([name, report.fmt_float(max(r.out.max_abs for r in with_out)),
+                     f"{max(r.out.cos_diff for r in with_out):.1e}", report.fmt_float(max(r.lse.max_abs for r in with_out)),
+                     f"{len(with_out)} checks, {ties} ties" + (f", {same} same bits" if same else ""), verdict])
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ ab
+def show_ab(doc: dict, ref: str, kernels: list[str], ref_is_candidate: bool) -> None:
+    title = f"{ref} against this build" if ref_is_candidate else f"this build against {ref}"
+    for line in ab_lines(doc):
+        report.show(line)
+    base_col, cand_col = ("this µs", f"{ref} µs") if ref_is_candidate else (f"{ref} µs", "this µs")
+    report.show(report.table(f"{', '.join(kernels)}: {title}, one run on {doc['gpu']['name']}",
+                             ["shape", "kernel", base_col, cand_col, "change", "judged beyond", "verdict"],
+                             ab_rows(doc), {"left": ("shape", "kernel")}))
+    for r in doc["bench"]["results"]:
+        if not r["agrees"]:
+            report.error(f"{r['shape']} / {r['backend']}: {r['check']}")
+
+
+def ab_rows(doc: dict) -> list[list]:
+    """The timing part of a kdev ab document: one row per shape and kernel."""
+    return [[v["shape"], v["backend"], f"{v['baseline_us']:.1f}", f"{v['current_us']:.1f}", f"{100 * v['change']:+.1f}%",
+             f"±{100 * v['threshold']:.1f}%", verdict_mark(v["verdict"])]
+            for v in doc["verdicts"]]
+
+
+def ab_lines(doc: dict) -> list:
+    """The machine code and verification parts of a kdev ab document, a line each."""
+    sass = doc["sass"]
+    if "skipped" in sass:
+        lines = [f"machine code: not compared ({sass['skipped']})"]
+    else:
+        changed = ", ".join(f"{d['kernel']} ({d['status']})" for d in sass["differ"][:6])
+        more = f" and {len(sass['differ']) - 6} more" if len(sass["differ"]) > 6 else ""
+        lines = [f"machine code ({sass['arch']}): {sass['identical']} of {sass['kernels']} kernels identical"
+                 + (f"; differ: {changed}{more}" if changed else "")]
+    for v in doc["verify"]:
+        lines.append(report.line(f"verify {v['suite']}: ", pass_fail(v["passed"], "PASS"),
+                                 f" {v['kernel']} and {v['against']}, {v['checks'] - v['failed']}/{v['checks']} checks "
+                                 f"passed; same bits in {v['same_bits']} of {v['comparisons']} comparisons"))
+        lines += [f"  {f['case']} / {f['kernel']} vs {f['against']}: {f['reason']}" for f in v["failures"]]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
+    mib = 2**20
+    rows = []
+    for p in doc["plans"]:
+        tiles = f"{p['row_tiles'] - 1} + {p['narrow_rows']}-row" if p["narrow_kernel"] else str(p["row_tiles"])
+        ctas = f"{p['full_ctas']} + {p['narrow_ctas']}" if p["narrow_kernel"] else str(p["full_ctas"])
+        rows.append([p["shape"], f"{p['full_kernel'].removeprefix('verify_attn_flash_')} {p['full_smem']:,} B", tiles,
+                     f"{p['splits']}" + (f" + {p['narrow_splits']} narrow" if p["narrow_kernel"] else ""), ctas,
+                     f"{p['waves']} x {gpu.sms * p['ctas_per_sm']}", f"{100 * p['slot_use']:.1f}%",
+                     f"{100 * p['row_use']:.1f}%",
+                     f"{p['kv_read_bytes'] / 1e6:,.0f} MB ({p['kv_read_bytes'] // p['kv_bytes']}x)",
+                     f"{p['workspace_bytes'] / mib:,.1f} MiB" if p["workspace_bytes"] else "-",
+                     f"{p['floor_us']:.1f} {p['bound']}" if p["floor_us"] else "-"])
+    ceil = (f"ceilings {gpu.flops / 1e12:.0f} TFLOP/s, {gpu.bytes_per_s / 1e9:,.0f} GB/s: {gpu.ceilings_source}"
+            if gpu.flops and gpu.bytes_per_s else "no ceilings known")
+    report.show(report.table(
+        f"{call} plan on {gpu.name} ({gpu.arch}, {gpu.sms} SMs; {ceil})",
+        ["shape", "full-tile kernel", "row tiles", "splits", "CTAs", "waves x slots", "slot use", "row use",
+         "KV read by CTAs", "workspace", "floor µs"], rows, {"left": ("shape", "full-tile kernel")}))
+    if costs:
+        def choice(c: dict) -> str:
+            return f"{c['splits']}/{c['narrow_splits']}: {c['cost_tiles']:,.1f} ({100 * (c['relative'] - 1):+.1f}%)"
+
+        rows = []
+        for p in doc["plans"]:
+            cs = p["split_costs"]
+            taken = next(c for c in cs if (c["splits"], c["narrow_splits"]) == (p["splits"], p["narrow_splits"]))
+            one = next(c for c in cs if c["splits"] == 1)
+            rows.append([p["shape"], choice(taken), "  ".join(choice(c) for c in cs[:4]), choice(one)])
+        report.show(report.table(
+            "the planner's model (KV tiles: the full tiles' waves, then the narrow CTAs on the SMs they leave, each CTA "
+            "its tiles + 6; full/narrow splits: cost, over the cheapest)",
+            ["shape", "taken", "cheapest four", "one split"], rows, {"left": ("shape", "taken", "cheapest four", "one split")}))
+    big = doc["largest_workspace"]
+    if big and big["bytes"]:
+        report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "
+                    f"({big['bytes']:,} B, at {big['shape']})")
+
+
+# ---------------------------------------------------------------------------------------------------- sass
+def show_loops(rows: list[dict], lib, kernel: str) -> None:
+    """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean."""
+    def pair(lo, med):
+        return "-" if lo is None else f"{lo} / {med:g}"
+
+    def histogram(chains: dict) -> str:  # distances past 8 are values carried around the loop
+        near = [f"{d}:{n}" for d, n in chains.items() if int(d) <= 8]
+        far = sum(n for d, n in chains.items() if int(d) > 8)
+        return " ".join(near + ([f">8:{far}"] if far else [])) or "-"
+
+    for name in sorted({r["kernel"] for r in rows}):
+        table_rows = [[r["arch"], r["address"], r["instructions"], r["hmma"], r["loads"], r["nop"],
+                       pair(r["chain_min"], r["chain_median"]),
+                       histogram(r["chains"]),
+                       pair(r["lead_min"], r["lead_median"]),
+                       f"{r['smem_wavefronts_hot']} / {r['smem_wavefronts']}",
+                       f"{r['smem_wavefronts_hot'] / r['hmma']:.2f}"]
+                      for r in rows if r["kernel"] == name]
+        report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
+                                 ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead",
+                                  "smem wf", "wf/HMMA"], table_rows, {"left": ("arch", "chains")}))
+    if not rows:
+        report.warn(f"{kernel}: no loop with HMMA")
+    report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
+                "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
+                "LDSM / LDS of an HMMA's fragments to the HMMA; smem wf: 128-byte shared-memory wavefronts the "
+                "loop's instructions move per warp and iteration, conflict-free, tensor copies not counted: hot path "
+                "(stretches a branch skips without HMMA, and guarded instructions, left out: an estimate) / every "
+                "instruction once (--json splits it by opcode); wf/HMMA: the hot path's per HMMA, where above ~1.7 a "
+                "loop is bound by shared memory at the H200's mma.sync peak")
+
+
+def show_sass_compare(rows: list[dict], base, lib, kernel: str) -> None:
+    """kdev sass --against: the kernels whose machine code differs (identical ones are counted, not listed)."""
+    differ = [r for r in rows if r["status"] != "same"]
+
+    def change(a, b, fmt=str):  # "a" when equal, "a -> b" otherwise ("-" for a side that has no such kernel)
+        a, b = ("-" if x is None else fmt(x) for x in (a, b))
+        return a if a == b else f"{a} -> {b}"
+
+    def loop_sizes(xs):
+        return "/".join(map(str, xs)) or "none"
+
+    if differ:
+        report.show(report.table(
+            f"SASS of {lib.parent.name} against {base.parent.name}" + (f" ('{kernel}')" if kernel else ""),
+            ["kernel", "arch", "status", "instructions", "differ", "HMMA loops", "smem wf"],
+            [[r["kernel"], r["arch"],
+              r["status"] + (f" (code of {r['code_of']}: {r['code_likeness']})" if r["code_of"] else ""),
+              change(r["base_instructions"], r["instructions"]),
+              r["changed_instructions"],
+              change(r["base_hmma_loops"] if r["base_instructions"] is not None else None,
+                     r["hmma_loops"] if r["instructions"] is not None else None, loop_sizes),
+              change(r["base_hmma_loop_wavefronts"] if r["base_instructions"] is not None else None,
+                     r["hmma_loop_wavefronts"] if r["instructions"] is not None else None, loop_sizes)]
+             for r in differ],
+            {"left": ("kernel", "arch", "status")}))
+        report.show("registers: identical but for register numbers (another allocation); differ: "
+                    "instructions that differ (branch targets aside); HMMA loops: the instructions of each loop "
+                    "that issues HMMA; smem wf: their shared-memory wavefronts per warp and iteration, every instruction once")
+    report.show(f"{len(rows) - len(differ)} of {len(rows)} kernels x archs identical to {base}"
+                + (f", {len(differ)} differ" if differ else ""))
+
+
+# ---------------------------------------------------------------------------------------- clean, deploy, all
+def show_clean(items, repo, removed: bool) -> None:
+    rows = [[str(i.path.relative_to(repo)), f"{i.bytes / 1e6:.1f}", i.why] for i in items]
+    if rows:
+        report.show(report.table("kdev clean" + ("" if removed else " (dry run: --yes removes)"),
+                                 ["path", "MB", "why"], rows, {"left": ("path", "why")}))
+    total = sum(i.bytes for i in items) / 1e6
+    report.show(f"{'removed' if removed else 'would remove'} {len(items)} item(s), {total:.1f} MB"
+                if items else "nothing to clean")
+
+
+def show_deploy(probes, repo, target_arch: str, failed: list, strict: bool) -> None:
+    from kdev import deploy
+
+    status = {deploy.PASS: ("pass", "green"), deploy.WARN: ("warn", "yellow"), deploy.FAIL: ("FAIL", "red")}
+    rows = [[p.name, report.styled(*status[p.status]), p.reason] for p in probes]
+    report.show(report.table(f"deploy-check {repo.resolve()} -> {target_arch}", ["probe", "status", "reason"],
+                             rows, {"left": ("probe", "status", "reason")}))
+    git = next((p for p in probes if p.name == "git"), None)
+    if git and git.details.get("last_commits"):
+        report.show("last commits:\n  " + "\n  ".join(git.details["last_commits"]))
+    report.show(report.styled("ready to deploy", "green") if not failed else
+                report.line(report.styled("not ready", "red"),
+                            f": {len(failed)} probe(s) failed" + (" (--strict)" if strict else "")))
+
+
+def show_stages(results: list[dict]) -> None:
+    style = {"passed": ("passed", "green"), "failed": ("FAILED", "red"), "skipped": ("skipped", "yellow"),
+             "not run": ("not run", "")}
+    report.show(report.table("kdev all", ["stage", "status", "exit"],
+                             [[r["stage"], report.styled(*style[r["status"]]),
+                               "-" if r["exit_code"] is None else r["exit_code"]]
+                              for r in results], {"left": ("stage", "status")}))
