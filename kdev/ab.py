@@ -12,7 +12,7 @@ build is the base, and REF's change is what is judged.
 from __future__ import annotations
 
 from kdev import abi, bench
-from kdev import build as kbuild
+from kdev import refs
 from kdev.errors import BadInput, EnvironmentMissing
 
 DEFAULT_MIN_CHANGE = 0.01  # in one run the medians' noise is a few tenths of a percent (kernels/NOTES.md)
@@ -26,7 +26,7 @@ def ref_names(kernels: list[str], ref: str, ref_is_candidate: bool = False) -> l
     names = [f"{k}@{ref}" for k in kernels]
     for name in names:
         abi.kernel_ref(name)
-    if not ref_is_candidate and kbuild.describe_library_ref(ref) == "patch":  # as the base, its verdicts reversed
+    if not ref_is_candidate and refs.describe_library_ref(ref) == "patch":  # as the base, its verdicts reversed
         raise BadInput(f"--against {ref}: a patch is a candidate: kdev ab --candidate {ref}")
     return names
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kdev import build as kbuild
+from kdev import refs
 from kdev import cabi
 from kdev.cabi import AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, VerifyAttnParams
 from kdev.errors import BadInput, EnvironmentMissing
@@ -272,8 +273,8 @@ def kernel_ref(name: str) -> tuple[str, str] | None:
     if kernel not in VERIFY_KERNELS or not ref:
         raise BadInput(f"{name!r}: KERNEL@REF takes one of {', '.join(VERIFY_KERNELS)} and a library, "
                        "build folder, copy of kernels/, git revision or kernels patch")
-    if kbuild.describe_library_ref(ref) is None:
-        raise BadInput(f"{name!r}: {ref}: {kbuild.NO_LIBRARY_REF}")
+    if refs.describe_library_ref(ref) is None:
+        raise BadInput(f"{name!r}: {ref}: {refs.NO_LIBRARY_REF}")
     return kernel, ref
 
 
@@ -288,14 +289,14 @@ def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = Non
         if parsed is None:
             continue
         kernel, ref = parsed
-        if kbuild.describe_library_ref(ref) == "library":
+        if refs.describe_library_ref(ref) == "library":
             path = kbuild.library_file(Path(ref))
         else:
             if arch is None:
                 from kdev import gpu
 
                 arch = gpu.current_arch()
-            res = kbuild.library_for(ref, [arch], log)
+            res = refs.library_for(ref, [arch], log)
             if res.problems and log:
                 log(f"{name}: its build fails the resource gate ({res.problems[0]}); run anyway")
             path = res.library

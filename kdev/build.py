@@ -4,15 +4,13 @@ A configuration (archs + flags) builds into build/kdtree-<archs>-<flags hash>/li
 every arch and PTX for the newest. The cache key is the hash of the kernel sources, the flags, the archs
 and the nvcc version: when it matches the last build's, nothing is compiled. Provenance (git sha and dirty
 flag, source hash, nvcc version, archs, flags) is embedded through a generated source file that defines
-kdtree_build_info(). The `-Xptxas -v` report becomes a table per kernel and arch; a spill, or static shared
-memory above the arch's limit, fails the build unless build.yaml allows it. Beside it, what the flash calls launch
-on each arch and the dynamic shared memory per block that takes (asked of the library: the launcher's own rule),
-gated on the same limits. cuobjdump confirms which archs the library really carries.
+kdtree_build_info(). What the machine code takes (the ptxas report, the flash calls' dynamic shared memory, the
+archs cuobjdump finds) and the gate on it live in kdev/resources.py; another build named by a reference (a copy of
+kernels/, a git revision, a patch) in kdev/refs.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
 import hashlib
 import json
@@ -26,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kdev import __version__
-from kdev import cabi
+from kdev import resources
 from kdev.config import REPO_ROOT, BuildConfig
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
 from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, read_json_record,
@@ -130,80 +128,6 @@ def git_state(repo: Path = REPO_ROOT) -> dict:
     return {"git_sha": sha, "git_dirty": bool(status) if status is not None else None}
 
 
-# ------------------------------------------------------------------------------------ ptxas report
-@dataclass
-class KernelResources:
-    kernel: str
-    arch: str
-    registers: int = 0
-    spill_stores: int = 0
-    spill_loads: int = 0
-    stack_frame: int = 0
-    smem: int = 0
-
-
-_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
-_RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_RE_USED = re.compile(r"Used (\d+) registers")
-_RE_SMEM = re.compile(r"(\d+) bytes smem")
-
-
-def parse_ptxas(text: str) -> list[KernelResources]:
-    """Entries of `-Xptxas -v` output, one per (kernel, arch), in the order ptxas printed them."""
-    rows: list[KernelResources] = []
-    cur = None
-    for line in text.splitlines():
-        m = _RE_ENTRY.search(line)
-        if m:
-            cur = KernelResources(kernel=m.group(1), arch=m.group(2))
-            rows.append(cur)
-            continue
-        if cur is None:
-            continue
-        m = _RE_FRAME.search(line)
-        if m:
-            cur.stack_frame, cur.spill_stores, cur.spill_loads = map(int, m.groups())
-        m = _RE_USED.search(line)
-        if m:
-            cur.registers = int(m.group(1))
-            s = _RE_SMEM.search(line)
-            cur.smem = int(s.group(1)) if s else 0
-    return rows
-
-
-def demangle(names: list[str]) -> dict[str, str]:
-    """Readable kernel names (c++filt where present), stripped to the function name."""
-    tool = shutil.which("c++filt") or shutil.which("cu++filt")
-    out = {}
-    demangled = names
-    if tool and names:
-        r = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
-        if r.returncode == 0 and len(r.stdout.splitlines()) == len(names):
-            demangled = r.stdout.splitlines()
-    for raw, nice in zip(names, demangled):
-        out[raw] = short_kernel_name(nice)
-    return out
-
-
-def short_kernel_name(demangled: str) -> str:
-    """A demangled kernel signature as the function name with its template arguments, without the kdtree and
-    anonymous namespaces (c++filt writes "(anonymous namespace)", Nsight Compute "<unnamed>")."""
-    # a template kernel demangles with its return type ("void kdtree::k<true>(...)"); kernels return void
-    name = demangled.removeprefix("void ").replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
-    return name.split("(")[0].removeprefix("kdtree::")
-
-
-def resource_problems(rows: list[KernelResources], cfg: BuildConfig) -> list[str]:
-    problems = []
-    for r in rows:
-        if not cfg.allow_spills and (r.spill_stores or r.spill_loads):
-            problems.append(f"{r.kernel} [{r.arch}]: spills {r.spill_stores} B stores / {r.spill_loads} B loads")
-        limit = cfg.smem_limit_bytes.get(r.arch.rstrip("a"))
-        if limit is not None and r.smem > limit:
-            problems.append(f"{r.kernel} [{r.arch}]: {r.smem} B static shared memory > {limit} B limit")
-    return problems
-
-
 # ------------------------------------------------------------------------------------------ compile
 def gencode_flags(archs: tuple) -> list[str]:
     """SASS for every arch; PTX of the newest too, so newer GPUs can JIT it."""
@@ -217,71 +141,6 @@ def gencode_flags(archs: tuple) -> list[str]:
         code = f"[{a},{cc}]" if a == newest else a
         flags.append(f"-gencode=arch={cc},code={code}")
     return flags
-
-
-def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
-    """{'sass': [...], 'ptx': [...]} as cuobjdump lists them, or None values without cuobjdump."""
-    if cuobjdump is None:
-        return {"sass": None, "ptx": None, "tool": None}
-    res = {"tool": cuobjdump}
-    for kind, flag in (("sass", "--list-elf"), ("ptx", "--list-ptx")):
-        r = subprocess.run([cuobjdump, flag, str(lib)], capture_output=True, text=True)
-        res[kind] = sorted(set(re.findall(r"\.(sm_\d+a?)\.(?:cubin|ptx)", r.stdout)), key=lambda a: int(a[3:].rstrip("a")))
-    return res
-
-
-def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
-    """The loaded library's kdtree_flash_launch_plan (L from cabi.load) as ask(major, smem_optin, tensor_copy, portable)
-    -> {full, full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such a GPU and the
-    dynamic shared memory per block of each. A refusal raises `error` with the library's message. None for a library
-    without the entry point."""
-    fn = getattr(L, "kdtree_flash_launch_plan", None)
-    if fn is None:
-        return None
-
-    def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool) -> dict:
-        full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
-        if fn(major, smem_optin, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
-              ctypes.byref(narrow), ctypes.byref(narrow_smem)):
-            raise error(f"kdtree_flash_launch_plan(major {major}): {cabi.last_error(L)}")
-        return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
-                "narrow_smem": narrow_smem.value}
-
-    return ask
-
-
-def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
-    """What the flash calls launch on each arch of cfg and the dynamic shared memory per block each kernel takes
-    (which the ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan,
-    the launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel, with the
-    calls that launch it. None for a library from sources without that entry point."""
-    try:
-        L = cabi.load(lib)
-    except cabi.LoadError as e:  # what verify and bench would meet too: the build is not usable
-        raise CheckFailed(f"the built library does not load: {e}") from None
-    ask = launch_plan_entry(L)
-    if ask is None:
-        return None
-    rows: dict[tuple, dict] = {}
-    for arch in cfg.archs:
-        major, limit = int(arch[3:].rstrip("a")) // 10, cfg.smem_limit_bytes.get(arch.rstrip("a"))
-        if limit is None or major < 8:  # no opt-in limit to ask with, or an arch without the flash kernels
-            continue
-        for portable in (False, True):
-            for tensor_copy in ((True, False) if major >= 9 else (False,)):
-                k = ask(major, limit, tensor_copy, portable)
-                call = (("flash-portable" if portable else "flash")
-                        + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
-                for kernel, smem in ((k["full"], k["full_smem"]), (k["narrow"], k["narrow_smem"])):
-                    row = rows.setdefault((arch, kernel), {"arch": arch, "kernel": kernel, "dynamic_smem": smem,
-                                                           "limit": limit, "calls": []})
-                    row["calls"].append(call)
-    return list(rows.values())
-
-
-def launch_problems(rows: list[dict]) -> list[str]:
-    return [f"{r['kernel']} [{r['arch']}]: {r['dynamic_smem']} B dynamic shared memory per block > {r['limit']} B "
-            f"limit" for r in rows if r["dynamic_smem"] > r["limit"]]
 
 
 @dataclass
@@ -389,14 +248,14 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     old = read_json_record(record, ("key", "launches", "build_info", "resources", "embedded", "problems"))
     if not force and lib.is_file() and old is not None:
         if old["key"] == key:
-            launches, gate_changed = old["launches"], old.get("gate") != gate_settings(cfg)
+            launches, gate_changed = old["launches"], old.get("gate") != resources.gate_settings(cfg)
             if gate_changed:
                 # build.yaml's gate changed since this build (the key holds only what the compile depends on): the
                 # launcher is asked again with the new limits, and the stored report judged anew
-                launches = flash_launches(lib, cfg)
+                launches = resources.flash_launches(lib, cfg)
             res = BuildResult(library=lib, folder=folder, cached=True, key=key, build_info=old["build_info"],
                               resources=old["resources"], embedded=old["embedded"],
-                              problems=gate_problems(old["resources"], launches, old["embedded"], cfg, lib),
+                              problems=resources.gate_problems(old["resources"], launches, old["embedded"], cfg, lib),
                               launches=launches)
             if gate_changed or res.problems != old["problems"]:
                 _write_record(record, res, cfg)
@@ -437,21 +296,21 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
             raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); {detail}")
         # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
         # would get that one back from the loader
-        launches = flash_launches(tmp_lib, cfg)
+        launches = resources.flash_launches(tmp_lib, cfg)
         os.chmod(tmp_lib, normal_mode(executable=True))  # mkstemp's 0600: a server's account could not load it
         os.replace(tmp_lib, lib)
     finally:
         Path(tmp_lib).unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    rows = parse_ptxas(text)
-    names = demangle(sorted({r.kernel for r in rows}))
+    rows = resources.parse_ptxas(text)
+    names = resources.demangle(sorted({r.kernel for r in rows}))
     for r in rows:
         r.kernel = names.get(r.kernel, r.kernel)
     rows.sort(key=lambda r: (r.kernel, int(r.arch[3:].rstrip("a"))))
-    embedded = embedded_archs(lib, find_cuobjdump(nvcc))
-    resources = [asdict(r) for r in rows]
-    res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info, resources=resources,
-                      embedded=embedded, problems=gate_problems(resources, launches, embedded, cfg, lib),
+    embedded = resources.embedded_archs(lib, find_cuobjdump(nvcc))
+    per_kernel = [asdict(r) for r in rows]
+    res = BuildResult(library=lib, folder=folder, cached=False, key=key, build_info=info, resources=per_kernel,
+                      embedded=embedded, problems=resources.gate_problems(per_kernel, launches, embedded, cfg, lib),
                       seconds=round(time.time() - t0, 1), launches=launches)
     _write_record(record, res, cfg)
     if not variant:
@@ -459,26 +318,10 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     return res
 
 
-def gate_settings(cfg: BuildConfig) -> dict:
-    """What the resource gate judges a build by, for the archs it holds: a build record keeps it, so that a cached
-    build is judged anew when build.yaml's gate changes."""
-    return {"allow_spills": cfg.allow_spills,
-            "smem_limit_bytes": {a: cfg.smem_limit_bytes.get(a.rstrip("a")) for a in cfg.archs}}
-
-
-def gate_problems(resources: list[dict], launches: list[dict] | None, embedded: dict, cfg: BuildConfig,
-                  lib: Path) -> list[str]:
-    """The resource gate: spills and static shared memory (ptxas), dynamic shared memory (the launcher's choice),
-    and an arch whose SASS the library lacks."""
-    problems = resource_problems([KernelResources(**r) for r in resources], cfg) + launch_problems(launches or [])
-    if embedded.get("sass") is not None:
-        problems += [f"{a}: no SASS embedded in {lib.name}" for a in cfg.archs if a not in embedded["sass"]]
-    return problems
-
 
 def _write_record(record: Path, res: BuildResult, cfg: BuildConfig) -> None:
     doc = {k: v for k, v in res.to_dict().items() if k not in ("library", "folder", "cached", "seconds")}
-    atomic_write_bytes(record, json.dumps({**doc, "gate": gate_settings(cfg)}, indent=2).encode())
+    atomic_write_bytes(record, json.dumps({**doc, "gate": resources.gate_settings(cfg)}, indent=2).encode())
 
 
 def latest_record(archs) -> str:
@@ -522,110 +365,3 @@ def latest_library(output_dir: Path | None = None, archs=None) -> Path | None:
         return None
     lib = Path(record["library"])
     return lib if lib.is_file() else None
-
-
-# ------------------------------------------------------------------------------ another build, by reference
-def git_revision(ref: str, repo: Path = REPO_ROOT) -> str | None:
-    """The full commit id `ref` names in repo (a branch, a tag, a sha, HEAD~1), or None."""
-    try:
-        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
-
-
-def is_kernel_tree(path: Path) -> bool:
-    """A copy of kernels/ (an A/B base or candidate): its include/ folder and at least one .cu file."""
-    return path.is_dir() and (path / "include").is_dir() and any(path.glob("*.cu"))
-
-
-PATCH_SUFFIXES = (".patch", ".diff")
-NO_LIBRARY_REF = "no library, build folder, copy of kernels/, git revision or kernels patch"
-
-
-def describe_library_ref(ref: str, repo: Path = REPO_ROOT) -> str | None:
-    """What `ref` names for a library to load: "library" (a .so or a build folder), "kernels" (a copy of
-    kernels/ to build), "revision" (a git revision whose kernels/ to build), "patch" (a .patch or .diff file, as
-    variants/ holds: this checkout's kernels/ with it applied, to build), or None."""
-    p = Path(ref)
-    if p.is_file() and p.suffix in PATCH_SUFFIXES:
-        return "patch"
-    if p.is_file() or (p.is_dir() and (p / LIB_NAME).is_file()):
-        return "library"
-    if is_kernel_tree(p):
-        return "kernels"
-    return "revision" if git_revision(ref, repo) else None
-
-
-def revision_kernels(ref: str, repo: Path = REPO_ROOT, output_dir: Path | None = None) -> Path:
-    """kernels/ as commit `ref` has it, extracted once into build/ab-<commit>/kernels (named by the commit, so a
-    second call finds it; written into a temporary folder first and renamed, so a half-written tree is never
-    found)."""
-    import io
-    import tarfile
-
-    sha = git_revision(ref, repo)
-    if sha is None:
-        raise BadInput(f"{ref}: no such git revision in {repo}")
-    dest = (output_dir or repo / "build") / f"ab-{sha[:12]}"
-    if is_kernel_tree(dest / "kernels"):
-        return dest / "kernels"
-    r = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", sha, "kernels"], capture_output=True)
-    if r.returncode != 0:
-        raise BadInput(f"{ref}: git archive of its kernels/ failed: "
-                       f"{(r.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(dest.parent, f"ab-{sha[:12]}")
-    try:
-        with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest / "kernels"
-
-
-def patch_kernels(patch: Path, kernel_dir: Path = KERNEL_DIR, output_dir: Path | None = None) -> Path:
-    """kernel_dir (this checkout's kernels/) with `patch` applied by git apply (paths kernels/..., as the files in
-    variants/ have them), written once into build/ab-patch-<hash>/kernels: the hash covers the patch and the kernel
-    sources it was applied to, so an edit to either makes a new tree and a second call finds this one. Written into a
-    temporary folder first and renamed, so a half-written tree is never found; a patch that does not apply is bad
-    input, with git's first line."""
-    patch = Path(patch).resolve()
-    digest = hashlib.sha256(patch.read_bytes() + source_hash(kernel_dir).encode()).hexdigest()[:12]
-    dest = (output_dir or REPO_ROOT / "build") / f"ab-patch-{digest}"
-    if is_kernel_tree(dest / "kernels"):
-        return dest / "kernels"
-    tmp = make_temp_dir(dest.parent, f"ab-patch-{digest}")
-    try:
-        shutil.copytree(kernel_dir, tmp / "kernels")
-        # inside a repository git apply would patch that repository's paths: the ceiling keeps it to tmp
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp.parent)}
-        r = subprocess.run(["git", "apply", str(patch)], cwd=tmp, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BadInput(f"{patch.name}: does not apply to {kernel_dir}: "
-                           f"{(r.stderr.strip().splitlines() or ['?'])[0]}")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest / "kernels"
-
-
-def library_for(ref: str, archs: list[str], log=None, repo: Path = REPO_ROOT) -> BuildResult | Path:
-    """The library `ref` names: a library file or build folder as it is (its path); a copy of kernels/, a git
-    revision's kernels/ (extracted by revision_kernels) or this checkout's kernels/ with a patch applied
-    (patch_kernels), built for `archs` into a library of its own as an A/B variant (kdev build --kernels: cached by
-    content, latest.json left alone; its BuildResult)."""
-    from kdev import config
-
-    kind = describe_library_ref(ref, repo)
-    if kind is None:
-        raise BadInput(f"{ref}: {NO_LIBRARY_REF}")
-    if kind == "library":
-        return library_file(Path(ref))
-    tree = {"kernels": lambda: Path(ref).resolve(), "revision": lambda: revision_kernels(ref, repo),
-            "patch": lambda: patch_kernels(Path(ref), repo / "kernels")}[kind]()
-    return build(config.load_build(None, list(archs)), log=log, kernel_dir=tree, variant=True)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kdev import bench, cabi
-from kdev.build import launch_plan_entry
+from kdev.resources import launch_plan_entry
 from kdev.config import REPO_ROOT, GpuSpec, load_gpus
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import read_json_record

@@ -30,7 +30,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev.build import demangle, find_cuobjdump, find_nvcc
+from kdev.build import find_cuobjdump, find_nvcc
+from kdev.resources import demangle
 from kdev.errors import BadInput, EnvironmentMissing
 
 _RE_ARCH = re.compile(r"^\s*code for (sm_\w+)")

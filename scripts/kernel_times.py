@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the kdev package of this tree
-from kdev.build import short_kernel_name  # noqa: E402
+from kdev.resources import short_kernel_name  # noqa: E402
 
 
 def main(path: str) -> int:

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kdev import abi, bench
+from kdev import abi, bench, refs
 from kdev.cli import app
 from kdev.errors import BadInput
 
@@ -293,18 +293,18 @@ def test_a_revision_is_built_from_its_own_kernels_tree(tmp_path, monkeypatch):
     for the arch asked (the build itself stood in for: it is kdev build --kernels, tested with the build)."""
     from kdev import build as kbuild
 
-    sha = kbuild.git_revision("HEAD")
-    assert sha and kbuild.describe_library_ref("HEAD") == "revision"
+    sha = refs.git_revision("HEAD")
+    assert sha and refs.describe_library_ref("HEAD") == "revision"
     built = _stand_in_build(monkeypatch, tmp_path)
-    tree = kbuild.revision_kernels("HEAD", output_dir=tmp_path / "build")
-    assert tree == tmp_path / "build" / f"ab-{sha[:12]}" / "kernels" and kbuild.is_kernel_tree(tree)
+    tree = refs.revision_kernels("HEAD", output_dir=tmp_path / "build")
+    assert tree == tmp_path / "build" / f"ab-{sha[:12]}" / "kernels" and refs.is_kernel_tree(tree)
     assert sorted(p.name for p in tree.glob("*.cu")) == sorted(p.name for p in kbuild.KERNEL_DIR.glob("*.cu"))
-    assert kbuild.revision_kernels(sha, output_dir=tmp_path / "build") == tree  # found again, not extracted twice
+    assert refs.revision_kernels(sha, output_dir=tmp_path / "build") == tree  # found again, not extracted twice
     assert [p.name for p in (tmp_path / "build").iterdir()] == [f"ab-{sha[:12]}"]  # no temporary folder left
-    res = kbuild.library_for(str(tree), ["sm_90"])
+    res = refs.library_for(str(tree), ["sm_90"])
     assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree.resolve(), True)]
     with pytest.raises(BadInput, match="no such git revision"):
-        kbuild.revision_kernels("no-such-branch-here")
+        refs.revision_kernels("no-such-branch-here")
 
 
 def _kernels_patch(path, old: str, new: str):
@@ -328,21 +328,21 @@ def test_a_patch_is_applied_to_this_checkouts_kernels_once_and_built(tmp_path, m
 
     first = (kbuild.KERNEL_DIR / "verify_attn.cu").read_text().splitlines(keepends=True)[0]
     patch = _kernels_patch(tmp_path / "v.patch", first, "// a variant's first line\n")
-    assert kbuild.describe_library_ref(str(patch)) == "patch"
+    assert refs.describe_library_ref(str(patch)) == "patch"
     assert abi.kernel_ref(f"flash@{patch}") == ("flash", str(patch))
-    tree = kbuild.patch_kernels(patch, output_dir=tmp_path / "build")
+    tree = refs.patch_kernels(patch, output_dir=tmp_path / "build")
     assert tree.parent.parent == tmp_path / "build" and tree.parent.name.startswith("ab-patch-")
     assert (tree / "verify_attn.cu").read_text().startswith("// a variant's first line\n")
     same = [p.name for p in kbuild.KERNEL_DIR.glob("*.cu") if p.name != "verify_attn.cu"]
     assert same and all((tree / n).read_bytes() == (kbuild.KERNEL_DIR / n).read_bytes() for n in same)
-    assert kbuild.patch_kernels(patch, output_dir=tmp_path / "build") == tree  # found again, not applied twice
+    assert refs.patch_kernels(patch, output_dir=tmp_path / "build") == tree  # found again, not applied twice
     assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]  # no temporary folder left
     with pytest.raises(BadInput, match="v2.patch: does not apply to"):
-        kbuild.patch_kernels(_stale_patch(tmp_path / "v2.patch"), output_dir=tmp_path / "build")
+        refs.patch_kernels(_stale_patch(tmp_path / "v2.patch"), output_dir=tmp_path / "build")
     assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]
     built = _stand_in_build(monkeypatch, tmp_path)
     monkeypatch.setattr(kbuild, "REPO_ROOT", tmp_path)  # build/ab-patch-* under tmp_path/build
-    res = kbuild.library_for(str(patch), ["sm_90"])
+    res = refs.library_for(str(patch), ["sm_90"])
     assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree, True)]
 
 

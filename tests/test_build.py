@@ -11,7 +11,7 @@ import pytest
 
 from kdev import abi
 from kdev import build as kbuild
-from kdev import config
+from kdev import config, refs, resources
 from kdev.errors import CheckFailed, EnvironmentMissing
 
 needs_nvcc = pytest.mark.nvcc
@@ -88,16 +88,16 @@ def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
     src.write_text('const char* kdtree_last_error(void) { return ""; }\n')
     lib = tmp_path / "libold.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    assert kbuild.flash_launches(lib, config.load_build()) is None
+    assert resources.flash_launches(lib, config.load_build()) is None
     (tmp_path / "broken.so").write_bytes(b"not a library")
     with pytest.raises(CheckFailed, match="does not load"):
-        kbuild.flash_launches(tmp_path / "broken.so", config.load_build())
+        resources.flash_launches(tmp_path / "broken.so", config.load_build())
 
 
 def test_launch_gate_names_kernel_arch_and_limit():
     rows = [{"arch": "sm_120", "kernel": "a", "dynamic_smem": 110592, "limit": 101376, "calls": ["flash"]},
             {"arch": "sm_90", "kernel": "b", "dynamic_smem": 91136, "limit": 232448, "calls": ["flash"]}]
-    assert kbuild.launch_problems(rows) == ["a [sm_120]: 110592 B dynamic shared memory per block > 101376 B limit"]
+    assert resources.launch_problems(rows) == ["a [sm_120]: 110592 B dynamic shared memory per block > 101376 B limit"]
 
 
 @needs_nvcc
@@ -157,11 +157,11 @@ def test_variant_needs_a_kernels_copy_or_a_patch(tmp_path, monkeypatch):
 
     r = CliRunner().invoke(app, ["build", "--kernels", str(tmp_path)])
     assert r.exit_code == 2 and "not a copy of kernels/" in r.stderr and "Traceback" not in r.output
-    # a patch: this checkout's kernels/ with it applied (kbuild.patch_kernels, tested with KERNEL@REF), then built
+    # a patch: this checkout's kernels/ with it applied (refs.patch_kernels, tested with KERNEL@REF), then built
     patch = tmp_path / "v.patch"
     patch.write_text("--- a/kernels/verify_attn.cu\n+++ b/kernels/verify_attn.cu\n")
     applied, built = [], []
-    monkeypatch.setattr(kbuild, "patch_kernels", lambda p: applied.append(p) or tmp_path / "patched" / "kernels")
+    monkeypatch.setattr(refs, "patch_kernels", lambda p: applied.append(p) or tmp_path / "patched" / "kernels")
 
     def fake_build(cfg, force=False, log=None, variant=False, kernel_dir=None):
         built.append((variant, kernel_dir))
@@ -225,16 +225,16 @@ ptxas info    : Used 40 registers, used 0 barriers
 
 
 def test_ptxas_report_and_gate():
-    rows = kbuild.parse_ptxas(PTXAS)
+    rows = resources.parse_ptxas(PTXAS)
     assert [(r.kernel, r.arch, r.registers, r.spill_stores, r.spill_loads, r.stack_frame, r.smem) for r in rows] == [
         ("_Z3fooPf", "sm_90", 255, 8, 12, 24, 120000), ("_Z3barv", "sm_120", 40, 0, 0, 0, 0)]
     cfg = config.load_build()
-    problems = kbuild.resource_problems(rows, cfg)
+    problems = resources.resource_problems(rows, cfg)
     assert len(problems) == 1 and "spills 8 B" in problems[0]
     rows[1].smem = 200000  # beyond sm_120's 101,376 B
-    assert any("sm_120" in p and "limit" in p for p in kbuild.resource_problems(rows, cfg))
+    assert any("sm_120" in p and "limit" in p for p in resources.resource_problems(rows, cfg))
     lenient = config.BuildConfig(cfg.archs, cfg.flags, cfg.output_dir, True, cfg.smem_limit_bytes, cfg.path)
-    assert len(kbuild.resource_problems(rows, lenient)) == 1
+    assert len(resources.resource_problems(rows, lenient)) == 1
 
 
 def test_gencode_embeds_ptx_for_newest_only():

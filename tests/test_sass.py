@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from kdev import build as kbuild
+from kdev import refs
 from kdev import config as kconfig
 from kdev import sass
 from kdev.errors import BadInput
@@ -222,7 +223,7 @@ def test_sass_against_command_exit_codes(monkeypatch, tmp_path):
 
 
 def test_sass_builds_a_kernels_copy_a_revision_or_a_patch_first(monkeypatch, tmp_path):
-    """--library / --against REF: what is not a library is built first (kbuild.library_for) for the archs asked,
+    """--library / --against REF: what is not a library is built first (refs.library_for) for the archs asked,
     else build.yaml's; a build that fails the resource gate is read with a warning; a REF naming nothing is exit 2."""
     from typer.testing import CliRunner
 
@@ -239,7 +240,7 @@ def test_sass_builds_a_kernels_copy_a_revision_or_a_patch_first(monkeypatch, tmp
                                   resources=[], problems=["k: spills 8 B"] if ref == "HEAD" else [], launches=[],
                                   embedded={}, seconds=0.0)
 
-    monkeypatch.setattr(kbuild, "library_for", fake_library_for)
+    monkeypatch.setattr(refs, "library_for", fake_library_for)
     texts = {libs[str(patch)]: _edited(SASS, "IMAD.MOV.U32 R42, RZ, RZ, R7", "IMAD.MOV.U32 R42, RZ, RZ, RZ"),
              libs["HEAD"]: SASS}
     monkeypatch.setattr(sass, "dump", lambda lib: texts[lib])

@@ -72,9 +72,10 @@ def build_cmd(
     """Build kernels/ into one shared library (C ABI) per configuration, gated on the ptxas report."""
     from kdev import build as kbuild
     from kdev import config as cfg
+    from kdev import refs
 
-    if kernels is not None and kbuild.describe_library_ref(str(kernels)) == "patch":
-        kernels = kbuild.patch_kernels(kernels)  # build/ab-patch-<hash>/kernels, written once
+    if kernels is not None and refs.describe_library_ref(str(kernels)) == "patch":
+        kernels = refs.patch_kernels(kernels)  # build/ab-patch-<hash>/kernels, written once
     elif kernels is not None and not (kernels / "include").is_dir():
         raise BadInput(f"{kernels}: not a copy of kernels/ (no include/ folder) nor a patch of it")
     bc = cfg.load_build(config, split_archs(arch))

@@ -77,14 +77,14 @@ def sass_cmd(
     HMMA's fragment load runs ahead of it, per arch, read from the built library (no GPU needed). With --against,
     which kernels' machine code differs from another build's."""
     from kdev import build as kbuild
-    from kdev import sass
+    from kdev import refs, sass
 
     if expect_same and against is None:
         raise typer.BadParameter("needs --against (the build to compare with)", param_hint="--expect-same")
     archs = split_archs(arch)
     for ref in (library, against):  # a reference that names nothing is bad input, before any build is looked for
-        if ref is not None and kbuild.describe_library_ref(ref) is None:
-            raise BadInput(f"{ref}: {kbuild.NO_LIBRARY_REF}")
+        if ref is not None and refs.describe_library_ref(ref) is None:
+            raise BadInput(f"{ref}: {refs.NO_LIBRARY_REF}")
     if library is None and kbuild.latest_library() is None:
         raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
     lib = _sass_library(library or str(kbuild.latest_library()), archs)
@@ -110,15 +110,15 @@ def sass_cmd(
 
 def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
     """The library file kdev sass reads for --library / --against: a library or its build folder as it is; a copy of
-    kernels/, a git revision or a patch of kernels/ built first (kbuild.library_for: an A/B variant, cached by content)
+    kernels/, a git revision or a patch of kernels/ built first (refs.library_for: an A/B variant, cached by content)
     for the archs asked, else build.yaml's. A build that fails the resource gate is read all the same, with a warning:
     its spills are what one wants to see."""
     from kdev import build as kbuild
-    from kdev import config
+    from kdev import config, refs
 
-    if kbuild.describe_library_ref(ref) == "library":
+    if refs.describe_library_ref(ref) == "library":
         return kbuild.library_file(Path(ref))
-    res = kbuild.library_for(ref, archs or list(config.load_build(None, None).archs), log=report.info)
+    res = refs.library_for(ref, archs or list(config.load_build(None, None).archs), log=report.info)
     if res.problems:
         report.warn(f"{ref}: its build fails the resource gate ({res.problems[0]}); its SASS is read all the same")
     return res.library
