@@ -13,7 +13,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kdev import verify
+from kdev.ledger import read_records
 from kdev.fsutil import is_dead_writers_temp, read_json_record
 
 
@@ -58,7 +58,7 @@ def plan(repo: Path, keep_records: int = 1000) -> list[Item]:
     """What `kdev clean --yes` would remove from the checkout at `repo`."""
     build_dir = repo / "build"
     ledger = repo / ".kdev" / "ledger"
-    records = verify.read_records(ledger)
+    records = read_records(ledger)
     kept_libs = _kept_libraries(build_dir, records)
     items: list[Item] = []
     if build_dir.is_dir():

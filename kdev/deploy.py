@@ -182,10 +182,10 @@ LEDGER_WINDOW = 2000
 
 def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=None) -> Probe:
     from kdev import build as kbuild
-    from kdev import verify
+    from kdev.ledger import read_records
 
     src = kbuild.source_hash(repo / "kernels")
-    records = verify.read_records(ledger or repo / ".kdev" / "ledger", newest=LEDGER_WINDOW)
+    records = read_records(ledger or repo / ".kdev" / "ledger", newest=LEDGER_WINDOW)
     now = now or _dt.datetime.now(_dt.timezone.utc)
 
     def covers(r: dict) -> bool:

@@ -5,116 +5,30 @@ synchronised; then out and lse are compared with the golden float64 reference (c
 token-exact check projects the latent outputs through a fixed, seeded per-head W_UV, an output projection
 and an LM head, takes the argmax at every tree node and runs the greedy accept walk (ddtree.py). A node
 whose reference top-2 logit margin is within the noise of bf16 outputs (TIE_SIGMAS standard deviations of
-one bf16 ulp per element, propagated through the projection) is a tie: reported, not failed. With --repeat N every kernel runs N times and must give the same bits. When several kernels run,
-each is also compared with the first (flash against naive).
+one bf16 ulp per element, propagated through the projection) is a tie: reported, not failed. With --repeat N
+every kernel runs N times and must give the same bits. When several kernels run, each is also compared with the
+first (flash against naive).
 
-Each run appends one record to the ledger (.kdev/ledger/, one JSON file per record, written atomically
-under a unique name: safe against concurrent runs). deploy-check reads it.
+Each run appends one record to the ledger (kdev/ledger.py); deploy-check reads it. The token-exact check lives in
+kdev/tokens.py.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kdev import abi, cabi, ddtree, vectors
+from kdev import abi, cabi, ledger, tokens, vectors
 from kdev.compare import Comparison, compare
-from kdev.config import (DEFAULT_TOLERANCES, LATENT_DIM, REPO_ROOT, CaseSpec, Tolerance, Tolerances, TreeSpec)
-from kdev.fsutil import atomic_write_bytes
+from kdev.config import (DEFAULT_TOLERANCES, CaseSpec, Tolerance, Tolerances, TreeSpec)
 
-LEDGER_SCHEMA = 1
 FUZZ_SUITE = "fuzz-failures"
 TREE_KERNELS = ("ddtree", "accept", "compact")  # exact-equality kernels of the decoding round
-
-
-# ---------------------------------------------------------------------------------------- token-exact
-class TokenProjector:
-    """latent out [N, H, 512] -> logits [N, vocab]: per-head W_UV (128 x 512), an output projection
-    (H*128 -> hidden) and an LM head (hidden -> vocab), all fixed by one seed, in float64."""
-
-    def __init__(self, heads: int, vocab: int, device, seed: int = 20261202, hidden: int = 256):
-        g = torch.Generator().manual_seed(seed)
-        self.w_uv = (torch.randn(heads, 128, LATENT_DIM, generator=g, dtype=torch.float64) / LATENT_DIM**0.5).to(device)
-        self.w_o = (torch.randn(heads * 128, hidden, generator=g, dtype=torch.float64) / (heads * 128) ** 0.5).to(device)
-        self.lm = (torch.randn(hidden, vocab, generator=g, dtype=torch.float64) / hidden**0.5).to(device)
-
-    def logits(self, o_lat: torch.Tensor) -> torch.Tensor:
-        n, h, _ = o_lat.shape
-        v = torch.einsum("nhc,hdc->nhd", o_lat.to(self.w_uv.device, torch.float64), self.w_uv)
-        return v.reshape(n, h * 128) @ self.w_o @ self.lm
-
-    def margin_sigma(self, o_ref: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rel_noise: float) -> torch.Tensor:
-        """Standard deviation of logit[a] - logit[b] per node when every output element carries independent
-        noise of standard deviation rel_noise * |o_ref| (the map is linear: sqrt(Σ g² σ²))."""
-        d = (self.lm[:, a] - self.lm[:, b]).T  # [N, hidden]
-        g = (d @ self.w_o.T).reshape(len(a), -1, 128)  # [N, H, 128]
-        g = torch.einsum("nhd,hdc->nhc", g, self.w_uv)  # d(margin)/d(o_lat): [N, H, 512]
-        o = o_ref.to(g.device, torch.float64)
-        return ((g * o * rel_noise) ** 2).sum((1, 2)).sqrt()
-
-
-# A bf16 output carries its own rounding (half an ulp, 2^-9 relative) plus the kernel's (bf16 P in P.V):
-# one bf16 ulp (2^-8 of |o|) per element is a generous standard deviation for that noise. A node is a tie
-# when the reference top-2 margin is within TIE_SIGMAS of it, for either side of a comparison.
-TIE_REL_NOISE = 2.0**-8
-TIE_SIGMAS = 6.0
-
-
-@dataclass
-class TokenResult:
-    passed: bool
-    nodes: int
-    node_mismatches: int  # argmax differs at a node that is not a tie
-    ties: int  # nodes whose margin is within the tolerance's noise
-    walk_mismatches: int  # requests whose accepted path or bonus token differ (not explained by a tie)
-    walk_ties: int  # requests whose walks differ only through tie nodes
-    accepted: list = field(default_factory=list)  # per request: (accepted length, bonus token) from the test output
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def label(self) -> str:
-        if not self.passed:
-            return f"FAIL ({self.node_mismatches} nodes, {self.walk_mismatches} walks)"
-        return "ok" + (f" ({self.ties} ties)" if self.ties else "")
-
-
-def token_exact(proj: TokenProjector, trees: list, o_test: torch.Tensor, o_ref: torch.Tensor) -> TokenResult:
-    lr = proj.logits(o_ref)
-    lt = proj.logits(o_test)
-    top = lr.topk(2, dim=-1)
-    a, b = top.indices[:, 0], top.indices[:, 1]
-    margin = top.values[:, 0] - top.values[:, 1]
-    tie = margin <= TIE_SIGMAS * 2**0.5 * proj.margin_sigma(o_ref, a, b, TIE_REL_NOISE)  # both sides are noisy
-    arg_t = lt.argmax(-1)
-    node_bad = (arg_t != a) & ~tie
-    arg_t, arg_r, tie_np = arg_t.cpu().numpy(), a.cpu().numpy(), tie.cpu().numpy()
-    walk_bad = walk_tie = 0
-    accepted = []
-    row = 0
-    for tree in trees:
-        rows = slice(row, row + tree.size)
-        acc_t = ddtree.accept_greedy(tree, arg_t[rows])
-        acc_r = ddtree.accept_greedy(tree, arg_r[rows])
-        accepted.append((len(acc_t.nodes), acc_t.bonus_token))
-        if not (np.array_equal(acc_t.nodes, acc_r.nodes) and acc_t.bonus_token == acc_r.bonus_token):
-            visited = set(acc_t.nodes.tolist()) | set(acc_r.nodes.tolist())
-            if any(tie_np[row + i] for i in visited):
-                walk_tie += 1
-            else:
-                walk_bad += 1
-        row += tree.size
-    n_bad = int(node_bad.sum())
-    return TokenResult(passed=n_bad == 0 and walk_bad == 0, nodes=len(a), node_mismatches=n_bad,
-                       ties=int(tie.sum()), walk_mismatches=walk_bad, walk_ties=walk_tie, accepted=accepted)
 
 
 def pairwise_tolerances(t: Tolerances) -> Tolerances:
@@ -135,7 +49,7 @@ class CaseResult:
     passed: bool
     out: Comparison | None = None
     lse: Comparison | None = None
-    token: TokenResult | None = None
+    token: tokens.TokenResult | None = None
     repeat_identical: bool | None = None
     error: str = ""
     note: str = ""  # what an exact-equality check compared
@@ -255,7 +169,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
     vocab = max(32000, int(tensors["tree_tokens"].max()) + 1)
     proj = proj_cache.get((heads, vocab))
     if proj is None:
-        proj = proj_cache[(heads, vocab)] = TokenProjector(heads, vocab, device)
+        proj = proj_cache[(heads, vocab)] = tokens.TokenProjector(heads, vocab, device)
     golden_out = tensors["out"].to(device)
     outputs = {}
     for kernel in kernels:
@@ -277,7 +191,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
             continue
         c_out = compare("out", out, tensors["out"], tol.out)
         c_lse = compare("lse", lse, tensors["lse"], tol.lse)
-        tok = token_exact(proj, trees, out, golden_out)
+        tok = tokens.token_exact(proj, trees, out, golden_out)
         ok = c_out.passed and c_lse.passed and tok.passed and identical is not False
         results.append(CaseResult(name, kernel, "golden", ok, c_out, c_lse, tok, identical))
         outputs[kernel] = (out, lse, tok)
@@ -292,7 +206,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
             c_lse = compare("lse", l, lb, pt.lse)
             walks_differ = tok_t.accepted != tok_b.accepted
             explained = tok_t.walk_ties + tok_b.walk_ties > 0
-            tok = TokenResult(passed=tok_t.passed and tok_b.passed and (not walks_differ or explained),
+            tok = tokens.TokenResult(passed=tok_t.passed and tok_b.passed and (not walks_differ or explained),
                               nodes=tok_t.nodes, node_mismatches=tok_t.node_mismatches + tok_b.node_mismatches,
                               ties=tok_t.ties, walk_mismatches=int(walks_differ and not explained),
                               walk_ties=int(walks_differ and explained), accepted=tok_t.accepted)
@@ -346,41 +260,6 @@ def _prefetched_inputs(specs: list[CaseSpec]):
 
 
 # -------------------------------------------------------------------------------------------- ledger
-def ledger_dir() -> Path:
-    return Path(os.environ.get("KDEV_LEDGER", REPO_ROOT / ".kdev" / "ledger"))
-
-
-def append_record(record: dict, folder: Path | None = None) -> Path:
-    """One file per record, unique name, atomic rename: concurrent runs never clobber each other."""
-    folder = Path(folder) if folder else ledger_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = record["timestamp"].replace(":", "").replace("-", "")
-    path = folder / f"{stamp}-{uuid.uuid4().hex[:12]}.json"
-    atomic_write_bytes(path, json.dumps(record, indent=1, allow_nan=False, default=str).encode())
-    return path
-
-
-def read_records(folder: Path | None = None, newest: int | None = None) -> list[dict]:
-    """The readable ledger records, oldest first, all of them or the `newest` N (file names start with the record's
-    time, so the newest are the last by name and the rest is never opened); unreadable files are skipped, never
-    fatal."""
-    folder = Path(folder) if folder else ledger_dir()
-    recs = []
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    for f in files[-newest:] if newest else files:
-        try:
-            r = json.loads(f.read_text())
-            r["_file"] = str(f)
-            recs.append(r)
-        except (OSError, ValueError):
-            continue
-    return recs
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def summarize(results: list[CaseResult], kernels: list[str]) -> dict:
     per = {}
     for k in kernels:
@@ -399,7 +278,7 @@ def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: a
     # plan: the GPU (or SM count) whose split plan the flash calls took (kdev verify --plan-gpu); None: this GPU's own
     plan = plan_gpu.to_dict() if plan_gpu else None
     return {
-        "schema_version": LEDGER_SCHEMA, "timestamp": now_iso(), "kind": kind,
+        "schema_version": ledger.LEDGER_SCHEMA, "timestamp": ledger.now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
         "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
         # the builds of the KERNEL@REF kernels (another build's, beside this library's)
@@ -484,7 +363,7 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
             "generator_hash": suite.manifest.get("generator_hash"), "stale": suite.stale,
             "cases": [e["name"] for e in entries], "repeat": repeat}
     record = make_record("suite", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu, others)
-    path = append_record(record) if write_ledger else None
+    path = ledger.append_record(record) if write_ledger else None
     return VerifyRun("suite", kernels, results, record, path)
 
 
@@ -524,5 +403,5 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
     info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat,
             "seconds": {k: round(v, 1) for k, v in seconds.items()}}
     record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu, others)
-    path = append_record(record) if write_ledger else None
+    path = ledger.append_record(record) if write_ledger else None
     return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kdev import build as kbuild
-from kdev import config, deploy, verify
+from kdev import config, deploy, ledger
 from kdev.cli import app
 from kdev.config import REPO_ROOT
 
@@ -63,10 +63,10 @@ class FakeNvml:
 def ledger_with(tmp_path, repo, arch, passed=True, suite="smoke", kernels=("naive", "flash", "flash-portable"),
                 plan=None, kind="suite"):
     folder = tmp_path / "ledger"
-    rec = {"schema_version": 1, "timestamp": verify.now_iso(), "kind": kind, "passed": passed,
+    rec = {"schema_version": 1, "timestamp": ledger.now_iso(), "kind": kind, "passed": passed,
            "source_hash": kbuild.source_hash(repo / "kernels"), "suite": {"name": suite},
            "gpu": {"name": "GPU", "arch": arch}, "plan": plan, "kernels": {k: {"passed": passed} for k in kernels}}
-    verify.append_record(rec, folder)
+    ledger.append_record(rec, folder)
     return folder
 
 

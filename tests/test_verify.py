@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kdev import ddtree, vectors, verify
+from kdev import ddtree, ledger, tokens, vectors, verify
 from kdev.cli import app
 
 
@@ -16,7 +16,7 @@ def _setup(seed=0, heads=4, T=12):
     rng = np.random.default_rng(seed)
     vocab = 300
     tree = ddtree.random_tree(rng, T, rng.integers(0, vocab, T))
-    proj = verify.TokenProjector(heads, vocab, "cpu", seed=5)
+    proj = tokens.TokenProjector(heads, vocab, "cpu", seed=5)
     g = torch.Generator().manual_seed(seed)
     o_ref = torch.randn(T, heads, 512, generator=g, dtype=torch.float64)
     return proj, [tree], o_ref
@@ -24,7 +24,7 @@ def _setup(seed=0, heads=4, T=12):
 
 def test_identical_output_is_token_exact():
     proj, trees, o_ref = _setup()
-    r = verify.token_exact(proj, trees, o_ref.clone(), o_ref)
+    r = tokens.token_exact(proj, trees, o_ref.clone(), o_ref)
     assert r.passed and r.node_mismatches == 0 and r.walk_mismatches == 0 and r.nodes == 12
 
 
@@ -32,7 +32,7 @@ def test_wrong_output_fails_token_exact():
     proj, trees, o_ref = _setup()
     o_bad = o_ref.clone()
     o_bad[3] = torch.randn(o_ref.shape[1:], generator=torch.Generator().manual_seed(99), dtype=torch.float64)
-    r = verify.token_exact(proj, trees, o_bad, o_ref)
+    r = tokens.token_exact(proj, trees, o_bad, o_ref)
     assert not r.passed and r.node_mismatches >= 1
     assert "FAIL" in r.label()
 
@@ -41,9 +41,9 @@ def test_ties_are_reported_not_failed(monkeypatch):
     proj, trees, o_ref = _setup()
     o_bad = o_ref.clone()
     o_bad[3] *= -1  # flips node 3's logits: a different argmax
-    assert not verify.token_exact(proj, trees, o_bad, o_ref).passed
-    monkeypatch.setattr(verify, "TIE_REL_NOISE", 10.0)  # noise larger than any margin: every node is a tie
-    r = verify.token_exact(proj, trees, o_bad, o_ref)
+    assert not tokens.token_exact(proj, trees, o_bad, o_ref).passed
+    monkeypatch.setattr(tokens, "TIE_REL_NOISE", 10.0)  # noise larger than any margin: every node is a tie
+    r = tokens.token_exact(proj, trees, o_bad, o_ref)
     assert r.passed and r.ties == r.nodes and "ties" in r.label()
 
 
@@ -52,12 +52,12 @@ def test_accept_walk_uses_the_tree():
     lr = proj.logits(o_ref)
     # make the target follow node 0 -> its first child by re-tokenising the tree with the argmax tokens
     tree = trees[0]
-    tokens = tree.tokens.copy()
+    ids = tree.tokens.copy()
     arg = lr.argmax(-1).numpy()
     for i in range(1, tree.size):
-        tokens[i] = arg[tree.parents[i]]
-    t2 = ddtree.Tree(tokens, tree.parents, tree.depths)
-    r = verify.token_exact(proj, [t2], o_ref.clone(), o_ref)
+        ids[i] = arg[tree.parents[i]]
+    t2 = ddtree.Tree(ids, tree.parents, tree.depths)
+    r = tokens.token_exact(proj, [t2], o_ref.clone(), o_ref)
     assert r.passed and r.accepted[0][0] > 1  # the walk went past the root
 
 
@@ -65,18 +65,18 @@ def test_ledger_concurrent_appends_are_all_kept(tmp_path):
     folder = tmp_path / "ledger"
 
     def write(i):
-        verify.append_record({"timestamp": "2026-12-02T10:00:00+00:00", "i": i, "passed": True}, folder)
+        ledger.append_record({"timestamp": "2026-12-02T10:00:00+00:00", "i": i, "passed": True}, folder)
 
     threads = [threading.Thread(target=write, args=(i,)) for i in range(40)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    recs = verify.read_records(folder)
+    recs = ledger.read_records(folder)
     assert sorted(r["i"] for r in recs) == list(range(40))
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temp files left behind
     (folder / "broken.json").write_text("{not json")
-    assert len(verify.read_records(folder)) == 40  # an unreadable file is skipped, never fatal
+    assert len(ledger.read_records(folder)) == 40  # an unreadable file is skipped, never fatal
 
 
 def test_cli_refuses_tampered_and_stale_suites_before_anything(tiny_suites, tmp_path, monkeypatch):
@@ -206,7 +206,7 @@ def test_fuzz_summary_keeps_the_worst_of_every_metric():
     want = torch.linspace(1, 2, 64)
     small = compare("out", want + 1e-4, want, tol)
     large = compare("out", want + 5e-3, want, tol)
-    tok = verify.TokenResult(True, 4, 0, 1, 0, 0)
+    tok = tokens.TokenResult(True, 4, 0, 1, 0, 0)
     res = [verify.CaseResult("a", "flash", "golden", True, small, small, tok),
            verify.CaseResult("b", "flash", "golden", True, large, small, tok),
            verify.CaseResult("b", "compact", "golden", False, error="1 KV row(s) differ")]
