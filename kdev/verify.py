@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kdev import abi, cabi, ledger, tokens, vectors
+from kdev import abi, cabi, cases, ledger, tokens, vectors
 from kdev.compare import Comparison, compare
 from kdev.config import (DEFAULT_TOLERANCES, CaseSpec, Tolerance, Tolerances, TreeSpec)
 
@@ -164,7 +164,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
     if not kernels:
         return results
     x = abi.VerifyInputs.from_case(tensors, scale, device)
-    trees = vectors.trees_of(tensors)
+    trees = cases.trees_of(tensors)
     heads = x.q.shape[1]
     vocab = max(32000, int(tensors["tree_tokens"].max()) + 1)
     proj = proj_cache.get((heads, vocab))
@@ -250,12 +250,12 @@ def _prefetched_inputs(specs: list[CaseSpec]):
 
     workers = max(1, min(8, (os.cpu_count() or 2) - 1))
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        window = [(s, pool.submit(vectors.generate_inputs, s)) for s in specs[:2 * workers]]
+        window = [(s, pool.submit(cases.generate_inputs, s)) for s in specs[:2 * workers]]
         for i in range(len(specs)):
             spec, fut = window.pop(0)
             if i + len(window) + 1 < len(specs):
                 nxt = specs[i + len(window) + 1]
-                window.append((nxt, pool.submit(vectors.generate_inputs, nxt)))
+                window.append((nxt, pool.submit(cases.generate_inputs, nxt)))
             yield spec, fut
 
 
@@ -387,7 +387,7 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
         t0 = time.monotonic()
         inputs = fut.result()
         t1 = time.monotonic()
-        case = vectors.finish_case(inputs, device="cuda")
+        case = cases.finish_case(inputs, device="cuda")
         t2 = time.monotonic()
         rs = check_case(lib, spec.name, case.tensors, case.scale, spec.tolerances, kernels, repeat, proj_cache, device,
                         others)

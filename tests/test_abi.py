@@ -9,7 +9,7 @@ import torch
 from kdev import abi
 from kdev import build as kbuild
 from kdev.config import load_suite
-from kdev.vectors import generate_case
+from kdev.cases import generate_case
 
 
 @pytest.fixture(scope="module")

@@ -341,7 +341,7 @@ def test_a_patch_is_applied_to_this_checkouts_kernels_once_and_built(tmp_path, m
         refs.patch_kernels(_stale_patch(tmp_path / "v2.patch"), output_dir=tmp_path / "build")
     assert [p.name for p in (tmp_path / "build").iterdir()] == [tree.parent.name]
     built = _stand_in_build(monkeypatch, tmp_path)
-    monkeypatch.setattr(kbuild, "REPO_ROOT", tmp_path)  # build/ab-patch-* under tmp_path/build
+    monkeypatch.setattr(refs, "REPO_ROOT", tmp_path)  # build/ab-patch-* under tmp_path/build
     res = refs.library_for(str(patch), ["sm_90"])
     assert res.library == tmp_path / "lib.so" and built == [(("sm_90",), tree, True)]
 

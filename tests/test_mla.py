@@ -46,7 +46,7 @@ def test_rope_is_a_rotation_and_relative():
 
 
 def test_reference_reads_pages_through_the_table(tiny_suites):
-    from kdev.vectors import generate_case
+    from kdev.cases import generate_case
 
     spec = config.load_suite("tiny", tiny_suites).cases[0]
     t = generate_case(spec).tensors

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdev import abi, config, ddtree, mla, ops, vectors  # noqa: F401  (ops: importing it registers torch.ops.kdev)
+from kdev import abi, cases, config, ddtree, mla, ops  # noqa: F401  (ops: importing it registers torch.ops.kdev)
 
 
 @pytest.fixture(scope="module")
 def case():
-    return vectors.generate_case(config.load_suite("smoke").cases[3])
+    return cases.generate_case(config.load_suite("smoke").cases[3])
 
 
 def _args(case):

@@ -5,7 +5,7 @@ chooses it), with one compiled on it."""
 import pytest
 import torch
 
-from kdev import abi, bench, triton_peer, vectors
+from kdev import abi, bench, cases, triton_peer
 from kdev.compare import compare
 from kdev.config import CaseSpec, Tolerances, TreeSpec
 
@@ -19,7 +19,7 @@ DEVICE = "cpu" if triton_peer.interpreting() else "cuda"
 
 def _case(prefix_lens, tree, heads, page_size, seed):
     spec = CaseSpec("triton-peer", tuple(prefix_lens), tree, heads, page_size, seed, "kimi-k2.6", _TOL)
-    case = vectors.generate_case(spec)
+    case = cases.generate_case(spec)
     return abi.VerifyInputs.from_case(case.tensors, case.scale, DEVICE), case.golden64
 
 

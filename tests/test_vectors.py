@@ -4,7 +4,7 @@ import pytest
 import torch
 import yaml
 
-from kdev import config, vectors
+from kdev import cases, config, vectors
 from kdev.errors import BadInput
 
 
@@ -39,7 +39,7 @@ def test_round_trip_and_layout(tiny):
 
 def test_inputs_reproduce_bit_for_bit(tiny_suites):
     spec = config.load_suite("tiny", tiny_suites).cases[0]
-    assert vectors.case_bytes(vectors.generate_case(spec)) == vectors.case_bytes(vectors.generate_case(spec))
+    assert vectors.case_bytes(cases.generate_case(spec)) == vectors.case_bytes(cases.generate_case(spec))
 
 
 def test_refuses_overwrite_without_force(tiny):
@@ -124,7 +124,7 @@ def test_stale_suite_refused_unless_allowed(tiny, monkeypatch):
 
 def test_interrupted_write_leaves_no_suite(tiny_suites, tmp_path, monkeypatch):
     spec = config.load_suite("tiny", tiny_suites)
-    real = vectors.generate_case
+    real = cases.generate_case
     calls = []
 
     def boom(s, device="cpu"):
@@ -180,7 +180,7 @@ def test_a_damaged_manifest_is_one_line_for_readers_and_for_appended_fuzz_failur
     mpath = root / "tiny" / "manifest.yaml"
     mpath.write_text(text)
     for attempt in (lambda: vectors.open_suite(str(root / "tiny")),
-                    lambda: vectors.append_case(root, "tiny", vectors.generate_case(spec.cases[0]))):
+                    lambda: vectors.append_case(root, "tiny", cases.generate_case(spec.cases[0]))):
         with pytest.raises(BadInput, match=problem) as e:
             attempt()
         assert "\n" not in str(e.value)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kdev import ddtree, ledger, tokens, vectors, verify
+from kdev import cases, ddtree, ledger, tokens, vectors, verify
 from kdev.cli import app
 
 
@@ -190,7 +190,7 @@ def test_fuzz_inputs_come_from_worker_processes_in_order_and_equal_direct_genera
     got = [(spec.name, fut.result()) for spec, fut in verify._prefetched_inputs(specs)]
     assert [name for name, _ in got] == [s.name for s in specs]
     for spec, (_, inputs) in zip(specs, got):
-        direct = vectors.generate_inputs(spec)
+        direct = cases.generate_inputs(spec)
         assert inputs.tensors.keys() == direct.tensors.keys()
         for k, v in direct.tensors.items():
             assert torch.equal(inputs.tensors[k].view(torch.uint8) if v.dtype == torch.bfloat16 else inputs.tensors[k],

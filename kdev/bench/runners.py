@@ -18,7 +18,7 @@ def make_inputs(shape: Shape, seed: int, device):
     reference. Returns (VerifyInputs, tree sizes, prefix lens)."""
     import torch
 
-    from kdev import abi, ddtree, vectors
+    from kdev import abi, cases, ddtree
     from kdev.config import CaseSpec, TreeSpec, load_model
 
     rng = np.random.default_rng(seed)
@@ -28,7 +28,7 @@ def make_inputs(shape: Shape, seed: int, device):
         ts = TreeSpec(shape.tree, nodes=shape.T)
     spec = CaseSpec("bench", (shape.prefix,) * shape.batch, ts, shape.heads, shape.page_size, seed, "kimi-k2.6",
                     None)
-    trees, _ = vectors.make_trees(spec, rng)
+    trees, _ = cases.make_trees(spec, rng)
     sizes = [t.size for t in trees]
     g = torch.Generator(device=device).manual_seed(seed)
     n_q = sum(sizes)

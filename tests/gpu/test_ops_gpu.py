@@ -4,14 +4,14 @@
 import pytest
 import torch
 
-from kdev import abi, config, ops, vectors  # noqa: F401  (ops: importing it registers torch.ops.kdev)
+from kdev import abi, cases, config, ops  # noqa: F401  (ops: importing it registers torch.ops.kdev)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def case():
-    return vectors.generate_case(config.load_suite("smoke").cases[3])
+    return cases.generate_case(config.load_suite("smoke").cases[3])
 
 
 @pytest.mark.parametrize("kernel", ["flash", "flash-portable", "naive"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdev import abi, config, vectors
+from kdev import abi, cases, config, vectors
 from kdev.compare import compare
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_fresh_random_cases_against_float64(lib, kernel, seed):
     rng = np.random.default_rng(seed)
     for i in range(12):
         spec = _random_spec(rng, f"r{i}")
-        case = vectors.generate_case(spec, device="cuda")
+        case = cases.generate_case(spec, device="cuda")
         _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel} seed={seed} case {i} {spec}")
 
 
@@ -69,7 +69,7 @@ def test_flash_split_kv_long_prefix_and_determinism(lib, seed):
     spec = config.CaseSpec(name="long", prefix_lens=(40000,), tree=config.TreeSpec("ddtree", budget=64, depth=15,
                            topk=64, vocab=32000), heads=8, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
+    case = cases.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     out0, lse0 = lib.alloc_outputs(x)
     assert lib.flash_splits(lib.params(x, out0, lse0)) > 1  # this shape must take the split-KV + combine path
@@ -82,7 +82,7 @@ def test_flash_split_kv_long_prefix_and_determinism(lib, seed):
 def _check_flash_twice(lib, spec, kernel, split=True):
     """Generate spec's case, check a flash kernel against float64 (taking the split-KV path iff split) and check that
     a second run gives the same output and lse bits."""
-    case = vectors.generate_case(spec, device="cuda")
+    case = cases.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     out0, lse0 = lib.alloc_outputs(x)
     assert (lib.flash_splits(lib.params(x, out0, lse0)) > 1) == split
@@ -119,7 +119,7 @@ def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits, see
     assert planned == splits
     lib.plan_as(target.sms)
     try:
-        case = vectors.generate_case(spec, device="cuda")
+        case = cases.generate_case(spec, device="cuda")
         x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
         out0, lse0 = lib.alloc_outputs(x)
         assert lib.flash_splits(lib.params(x, out0, lse0)) == splits
@@ -185,7 +185,7 @@ def test_limits_t1025_h64_and_a_256k_prefix(lib):
         config.CaseSpec("h64", (5000, 17), config.TreeSpec("ddtree", budget=128, depth=15, topk=128, vocab=32000),
                         64, 64, 78, "kimi-k2.6", config.DEFAULT_TOLERANCES),
     ]:
-        case = vectors.generate_case(spec, device="cuda")
+        case = cases.generate_case(spec, device="cuda")
         for kernel in KERNELS:
             _check(lib, kernel, case.tensors, case.scale, spec.tolerances, f"{kernel}/{spec.name}")
 
@@ -199,7 +199,7 @@ def test_pages_past_4_gib_of_pool_give_the_same_bits(lib, page_size, seed):
     spec = config.CaseSpec("far-pages", (3000, 700), config.TreeSpec("ddtree", budget=64, depth=15, topk=64,
                            vocab=32000), 8, page_size, seed, "kimi-k2.6",
                            config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
+    case = cases.generate_case(spec, device="cuda")
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     far = -(-(2**32 // (2 * config.QK_DIM) + 1) // page_size)  # the first page whose rows start past 4 GiB
     pool = torch.full((far + x.kv_cache.shape[0], page_size, config.QK_DIM), float("nan"), dtype=torch.bfloat16,
@@ -244,7 +244,7 @@ def test_bad_arguments_return_status_and_launch_nothing(lib):
     # flash on a long prefix needs a workspace: without one it refuses with status 3
     spec = config.CaseSpec("ws", (30000,), config.TreeSpec("chain", nodes=8), 8, 64, 5, "kimi-k2.6",
                            config.DEFAULT_TOLERANCES)
-    case = vectors.generate_case(spec, device="cuda")
+    case = cases.generate_case(spec, device="cuda")
     xw = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     ow, lw = lib.alloc_outputs(xw)
     p = lib.params(xw, ow, lw)
