@@ -32,10 +32,7 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
                                  ? narrow_partials(p, num_splits, 0, narrow_splits, b, q0, row0)
                                  : full_partials(p, 0, num_splits);
   if (part.splits == 1) return;
-#if KDTREE_FLASH_SM90
-  // launched programmatically behind the flash kernel (sm_90+): wait until its writes are complete and visible
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  wait_primary_grids();  // launched programmatically behind the flash kernel: its writes complete and visible
   __shared__ float weight[kMaxSplits];
   __shared__ float row_lse;
   __shared__ float4 group_sum[kGroups > 1 ? kGroups - 1 : 1][kCombineColumnThreads];

@@ -84,6 +84,31 @@ static_assert(2 * kKvBufs <= 8, "the teams kernel packs it % (2 kKvBufs) into th
 #define KDTREE_FLASH_TEAMS 0
 #endif
 
+// The arch choice is the launcher's (verify_attn_flash.cu): it launches a tensor-copy kernel from sm_90 only
+// (encode_kv_map) and a teams kernel only where TeamsStorage fits a block. The arch facts the kernels need are the
+// primitives below; a kernel body holds no arch test. One that the launcher never starts on the arch being compiled
+// begins with `if (!has_body<...>()) return;`, a constant, so nothing of the body is built there.
+template <bool kTensorCopy, bool kTeams = false>
+__device__ __forceinline__ constexpr bool has_body() {
+  return (!kTensorCopy || KDTREE_FLASH_SM90) && (!kTeams || KDTREE_FLASH_TEAMS);
+}
+
+// Programmatic dependent launch (sm_90+): the kernel launched behind this one may start once every CTA of this grid
+// has started (or exited). A no-op without a dependent launch, and before sm_90 (the combine is launched plainly).
+__device__ __forceinline__ void launch_dependents() {
+#if KDTREE_FLASH_SM90
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Wait until the grids this one was launched behind (programmatically) completed and their writes are visible;
+// before sm_90 stream order already gave that.
+__device__ __forceinline__ void wait_primary_grids() {
+#if KDTREE_FLASH_SM90
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_16(unsigned s, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }

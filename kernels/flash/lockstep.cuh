@@ -13,9 +13,7 @@ template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
                              const __grid_constant__ CUtensorMap kv_map) {
-#if !KDTREE_FLASH_SM90
-  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
-#endif
+  if (!has_body<kTensorCopy>()) return;
   SharedStorage& sm = shared_storage();
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -23,12 +21,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row0 = m_tile * kBlockM;
   if (row0 >= R) return;  // this request has fewer row tiles than the largest one
   if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
-#if KDTREE_FLASH_SM90
   // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
   // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
-  // spent while the last tiles run. A no-op without a dependent launch.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  // spent while the last tiles run.
+  launch_dependents();
   const int L = p.prefix_lens[b];
   const int kv_len = L + T;
   const int chunk = split_chunk(kv_len, num_splits);

@@ -186,15 +186,8 @@ template <bool kTensorCopy, bool kTeams>
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int narrow_splits,
                                     const __grid_constant__ CUtensorMap kv_map) {
-#if KDTREE_FLASH_SM90
-  // The combine kernel behind this one may launch once every CTA of this grid has started.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#else
-  if (kTensorCopy) return;  // never launched before sm_90 (encode_kv_map): no body to build there
-#endif
-#if !KDTREE_FLASH_TEAMS
-  if (kTeams) return;  // TeamsStorage does not fit a block here: never launched
-#endif
+  launch_dependents();  // the combine kernel behind this one may launch once every CTA of this grid has started
+  if (!has_body<kTensorCopy, kTeams>()) return;
   using Storage = std::conditional_t<kTeams, TeamsStorage, SharedStorage>;
   Storage& sm = shared_storage<Storage>();
   const int split = blockIdx.x, b = blockIdx.y;
@@ -209,11 +202,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end,
                                      narrow_partials(p, num_splits, split, narrow_splits, b, q0, row0));
   }
-#if KDTREE_FLASH_SM90
   // Launched behind the full-tile kernel (programmatically), and the combine kernel behind this one waits only for
   // this grid: so this grid completes only after that one has, and its writes are visible.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  wait_primary_grids();
 }
 
 }  // namespace

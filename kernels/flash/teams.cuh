@@ -75,7 +75,6 @@ __device__ __forceinline__ void team_pv_tile(float (&o)[2][kTeamVTiles][4], cons
   }
 }
 
-#if KDTREE_FLASH_TEAMS  // (no teams kernel body on sm_120: unused there)
 // Epilogue of a P.V warp: its team's 32 rows in value-column quarter q, each row's (m, l) from shared memory (l as
 // the sum of the pair's two halves, in order); bf16 out + lse, or this split's fp32 partial + lse.
 __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const float (&o)[2][kTeamVTiles][4],
@@ -97,12 +96,11 @@ __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const
     }
   }
 }
-#endif
 
 __global__ void __launch_bounds__(kThreads, 1)
     verify_attn_flash_teams_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
                                    const __grid_constant__ CUtensorMap kv_map) {
-#if KDTREE_FLASH_TEAMS
+  if (!has_body<true, true>()) return;  // no teams body on sm_120 (TeamsStorage does not fit a block there)
   TeamsStorage& sm = shared_storage<TeamsStorage>();
 
   const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -112,8 +110,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
   // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
   // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
-  // spent while the last tiles run. A no-op without a dependent launch.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // spent while the last tiles run.
+  launch_dependents();
   const int L = p.prefix_lens[b];
   const int kv_len = L + T;
   const int chunk = split_chunk(kv_len, num_splits);
@@ -239,7 +237,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                        start - kBlockN, kv_end);
   }
   store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig, full_partials(p, split, num_splits));
-#endif
 }
 
 }  // namespace
