@@ -118,6 +118,7 @@ def test_slot_tables_give_page_tables(seed, page_size):
 
 def test_the_integration_imports_without_sglang():
     r = subprocess.run([sys.executable, "-c", "import sys; import kdev.integrations.sglang as s; "
+                        "from kdev.integrations.sglang import backend; "
                         "assert 'sglang' not in sys.modules; print(s.custom_mask_to_tree_mask.__name__)"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "custom_mask_to_tree_mask", r.stderr
