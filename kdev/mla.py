@@ -9,7 +9,12 @@ Absorbed (what the kernels compute): q_lat_h = W_UK_hᵀ · q_nope_h (512 wide),
     o_lat_h  = Σ softmax(score) · c_kv                                      (512 wide)
 and o_h = W_UV_h · o_lat_h. The two agree up to float64 rounding.
 
-RoPE uses DeepSeek-V3's YaRN frequencies and the rotate-half pairing (dims i and i+32 rotate together).
+RoPE uses DeepSeek-V3's YaRN frequencies. Two pairings of the 64 rope dims exist: real checkpoints (rope_interleave
+true, as DeepSeek-V3 and Kimi K2 ship, and as transformers and SGLang rotate them) turn dims (2i, 2i+1) together,
+"interleaved"; the rotate-half pairing turns dims (i, i+32), "half". apply_rope takes the layout by name, the
+default the checkpoints'. They differ by a fixed permutation of the dims (deinterleave): rotating the deinterleaved
+vector by halves gives the deinterleaved rotation, so scores agree whenever q and k share one layout, and the
+kernels, which see rotated rows only, take either.
 Everything runs in torch float64 so that large references can run on a GPU (--device cuda).
 """
 
@@ -55,8 +60,27 @@ def yarn_rope_mscale(model: ModelConfig) -> float:
     return m(y.factor, y.mscale) / m(y.factor, y.mscale_all_dim)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, model: ModelConfig) -> torch.Tensor:
-    """Rotate x[..., rope_dim] at integer positions (broadcast over x's leading dims after the first)."""
+ROPE_LAYOUTS = ("interleaved", "half")
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairing -> rotate-half pairing: dims (2i, 2i+1) become (i, i + dim/2)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+
+
+def interleave(x: torch.Tensor) -> torch.Tensor:
+    """Rotate-half pairing -> interleaved pairing (deinterleave's inverse)."""
+    half = x.shape[-1] // 2
+    return torch.stack([x[..., :half], x[..., half:]], -1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, model: ModelConfig, layout: str = "interleaved") -> torch.Tensor:
+    """Rotate x[..., rope_dim] at integer positions (broadcast over x's leading dims after the first), its pairs in
+    `layout` (module docstring): interleaved, the checkpoints', or half. The result is in the same layout."""
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"rope layout {layout!r}: one of {', '.join(ROPE_LAYOUTS)}")
+    if layout == "interleaved":
+        return interleave(apply_rope(deinterleave(x), positions, model, "half"))
     inv_freq = yarn_inv_freq(model).to(x.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [S, dim/2]
     m = yarn_rope_mscale(model)

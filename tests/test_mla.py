@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kdev import config, mla
@@ -43,6 +44,44 @@ def test_rope_is_a_rotation_and_relative():
     a = (mla.apply_rope(x, torch.tensor([10]), model) * mla.apply_rope(y, torch.tensor([3]), model)).sum()
     b = (mla.apply_rope(x, torch.tensor([1010]), model) * mla.apply_rope(y, torch.tensor([1003]), model)).sum()
     assert abs(a - b) < 1e-9
+
+
+def test_the_interleaved_layout_turns_dims_2i_and_2i_plus_1_together(seed):
+    """Written from the definition, not from apply_rope: pair i = (x[2i], x[2i+1]) turns by pos * inv_freq[i], its
+    length scaled by YaRN's mscale; the rotate-half layout is the same rotation of the deinterleaved vector."""
+    model = config.load_model("deepseek-v3")
+    g = torch.Generator().manual_seed(seed)
+    x, pos = _rand(5, 3, 64, g=g), torch.tensor([0, 1, 17, 4095, 163839])
+    theta = pos.double()[:, None] * mla.yarn_inv_freq(model)[None, :]  # [5, 32]
+    c, s_ = theta.cos()[:, None, :], theta.sin()[:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    want = torch.stack([a * c - b * s_, a * s_ + b * c], -1).flatten(-2) * mla.yarn_rope_mscale(model)
+    got = mla.apply_rope(x, pos, model)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    half = mla.apply_rope(mla.deinterleave(x), pos, model, layout="half")
+    assert torch.allclose(mla.interleave(half), want, rtol=0, atol=1e-12)
+    assert torch.equal(mla.interleave(mla.deinterleave(x)), x)
+    # the layouts are not interchangeable on raw rows: the checkpoints' q_pe / k_pe rotated by halves is another vector
+    assert (mla.apply_rope(x, pos, model, layout="half") - want)[1:].abs().max() > 1e-2
+    with pytest.raises(ValueError, match="rope layout"):
+        mla.apply_rope(x, pos, model, layout="neox")
+
+
+def test_the_rotation_matches_transformers_deepseek_v3(seed):
+    """transformers' own interleaved rotation (where it is installed: the e2e extra), with kdev's YaRN cos/sin."""
+    mod = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    model = config.load_model("deepseek-v3")
+    g = torch.Generator().manual_seed(seed)
+    q, k = _rand(1, 4, 6, 64, g=g), _rand(1, 1, 6, 64, g=g)  # [batch, heads, seq, rope_dim]
+    pos = torch.tensor([3, 9, 100, 2047, 4096, 70000])
+    theta = pos.double()[:, None] * mla.yarn_inv_freq(model)[None, :]
+    emb = torch.cat([theta, theta], -1)[None]
+    m = mla.yarn_rope_mscale(model)
+    tq, tk = mod.apply_rotary_pos_emb_interleave(q, k, emb.cos() * m, emb.sin() * m)
+    # transformers returns the rotated rows in the rotate-half layout (it deinterleaves first)
+    assert torch.allclose(tq, mla.deinterleave(mla.apply_rope(q[0].transpose(0, 1), pos, model).transpose(0, 1))[None],
+                          atol=1e-12)
+    assert torch.allclose(tk[0, 0], mla.deinterleave(mla.apply_rope(k[0, 0], pos, model)), atol=1e-12)
 
 
 def test_reference_reads_pages_through_the_table(tiny_suites):
