@@ -1,4 +1,4 @@
-"""The commands around the loop: plan, sass, clean, deploy-check, all (see kdev/cli/__init__.py)."""
+"""The commands around the loop: plan, sass, e2e, clean, deploy-check, all (see kdev/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,51 @@ def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
     if res.problems:
         report.warn(f"{ref}: its build fails the resource gate ({res.problems[0]}); its SASS is read all the same")
     return res.library
+
+
+# --------------------------------------------------------------------------------------------------------- e2e
+@app.command("e2e")
+@command
+def e2e_cmd(
+    prompts: int = typer.Option(8, "--prompts", min=1, help="Prompts decoded side by side (ragged lengths)."),
+    rounds: int = typer.Option(16, "--rounds", min=1, help="Speculative rounds per prompt."),
+    budget: str = typer.Option("16", "--budget", help="Node budgets, comma-separated (e.g. 1,16,64,256): one run "
+                               "each, the same prompts and references."),
+    page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the latent cache."),
+    backend: str = typer.Option("reference", "--backend", help="The verify attention: reference (float64: every "
+                                "difference fails), naive, flash, flash-portable (bf16 kernels, CUDA)."),
+    depth: int = typer.Option(8, "--depth", help="Drafter depths after the root."),
+    topk: int = typer.Option(4, "--topk", help="Drafter tokens per depth."),
+    agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (the kernels need cuda)."),
+    seed: int = typer.Option(0, "--seed", help="Prompts, drafter and cache layout."),
+    out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
+    json_out: bool = JsonOpt,
+):
+    """Tree speculative decoding on a small MLA model (transformers' DeepSeek-V3, its attention swapped for kdev's)
+    against plain greedy decoding of the same model, token for token; accepted length and time per stage per budget."""
+    from kdev.cli import check_device, write_json_file
+    from kdev.e2e import run
+
+    check_device(device)
+    try:
+        budgets = tuple(int(b) for b in budget.split(",") if b.strip())
+    except ValueError:
+        raise BadInput(f"--budget {budget!r}: whole numbers, comma-separated") from None
+    if backend != "reference" and device != "cuda":
+        raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
+    settings = run.Settings(prompts, rounds, budgets or (0,), page_size, backend, depth, topk, agree, seed=seed)
+    with report.progress("e2e", rounds * len(settings.budgets)) as advance:
+        results = run.run(settings, device, advance)
+    doc = {"settings": {k: v for k, v in settings.__dict__.items()}, "tie_rel": run.TIE_REL,
+           "budgets": [r.to_dict() for r in results], "passed": all(r.passed for r in results)}
+    write_json_file(out_json, doc)
+    if json_out:
+        report.emit_json(doc)
+    else:
+        views.show_e2e(results, settings)
+    if not doc["passed"]:
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 # --------------------------------------------------------------------------------------------------- clean

@@ -292,6 +292,35 @@ def show_sass_compare(rows: list[dict], base, lib, kernel: str) -> None:
                 + (f", {len(differ)} differ" if differ else ""))
 
 
+# ----------------------------------------------------------------------------------------------------- e2e
+def show_e2e(results, settings) -> None:
+    """One row per budget: what was compared, acceptance, and each stage's time per round; then every difference."""
+    stages = ("draft", "tree build", "verify attention", "rest of forward", "accept", "compact")
+    rows = []
+    for r in results:
+        per_round = {k: 1e3 * r.seconds.get(k, 0.0) / r.rounds for k in stages}
+        step = sum(per_round.values())
+        share = per_round["verify attention"] / step if step else 0.0
+        bad = sum(not d.excused for d in r.differences)
+        excused = sum(d.excused for d in r.differences)
+        rows.append([r.budget, r.tokens, f"{r.accepted_per_round:.2f}", f"{r.tokens_per_round:.2f}",
+                     *(f"{per_round[k]:.1f}" for k in stages), f"{100 * share:.0f}%",
+                     f"{r.prompts * r.tokens_per_round / (step / 1e3):,.0f}" if step else "-",
+                     pass_fail(not bad) if not excused else report.line(pass_fail(not bad), f" ({excused} excused)")])
+    report.show(report.table(
+        f"e2e: {settings.prompts} prompts x {settings.rounds} rounds, {settings.backend}, page size "
+        f"{settings.page_size}, drafter depth {settings.depth} top-{settings.topk} agreeing {settings.agree:g}",
+        ["budget", "tokens", "accepted", "tokens/round", *(f"{k} ms" for k in stages), "attn share", "tokens/s",
+         "verdict"], rows))
+    for r in results:
+        for d in r.differences:
+            what = "excused (bf16 near-tie)" if d.excused else "DIFFERS"
+            line = (f"budget {r.budget}: prompt {d.prompt}, round {d.round}, generated token {d.position}: "
+                    f"{d.got} where greedy gives {d.want} (oracle's top-2 gap {d.gap:.3g}): {what}")
+            (report.info if d.excused else report.error)(line)
+    report.show("times per round, all prompts together (the ms columns); tokens/s: emitted tokens over the stages' time")
+
+
 # ---------------------------------------------------------------------------------------- clean, deploy, all
 def show_clean(items, repo, removed: bool) -> None:
     rows = [[str(i.path.relative_to(repo)), f"{i.bytes / 1e6:.1f}", i.why] for i in items]

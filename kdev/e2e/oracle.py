@@ -20,7 +20,8 @@ CONTRACT_DIMS = {"kv_lora_rank": cabi.LATENT_DIM, "qk_rope_head_dim": cabi.ROPE_
 @dataclass(frozen=True)
 class TinyModel:
     """The oracle's size: few layers, heads, a small hidden size and vocabulary; the attention dims are the contract's.
-    MLPs are dense (transformers' grouped MoE kernel takes no float64)."""
+    MLPs are dense (transformers' grouped MoE kernel takes no float64); attention is transformers' sdpa, which stays in
+    float64 (its eager attention takes the softmax in float32)."""
 
     layers: int = 2
     heads: int = 4
@@ -50,7 +51,7 @@ def tiny_config(spec: TinyModel = TinyModel()):
         max_position_embeddings=int(4096 * spec.yarn_factor), rope_theta=10000.0,
         rope_scaling={"type": "yarn", "factor": spec.yarn_factor, "original_max_position_embeddings": 4096,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        rope_interleave=True, attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        rope_interleave=True, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def check_config(cfg) -> None:

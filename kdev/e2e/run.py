@@ -103,6 +103,8 @@ class Settings:
                            f"past the model's {model.config.max_position_embeddings}")
         if self.backend not in adapter.BACKENDS:
             raise BadInput(f"--backend {self.backend!r}: one of {', '.join(adapter.BACKENDS)}")
+        if not 0.0 <= self.agree <= 1.0:
+            raise BadInput(f"--agree {self.agree}: between 0 and 1")
         if self.mutant is not None and self.mutant not in MUTANTS:
             raise BadInput(f"mutant {self.mutant!r}: one of {', '.join(MUTANTS)}")
 
@@ -182,8 +184,8 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
             roots = torch.tensor([e[-1] for e in emitted], dtype=torch.int32)
             with clock.stage("tree build"):
                 tree = torch.ops.kdev.build_ddtree(torch.from_numpy(np.stack(lp)).to(device),
-                                                   torch.from_numpy(np.stack(ids)).to(device), roots.to(device),
-                                                   L.to(device), budget)
+                                                   torch.from_numpy(np.stack(ids).astype(np.int32)).to(device),
+                                                   roots.to(device), L.to(device), budget)
             tokens, parents, depths, positions, masks, count = (t.cpu() for t in tree)
             n = count.tolist()
             flat_tokens = torch.cat([tokens[b, :n[b]] for b in range(B)]).long()
@@ -194,7 +196,7 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
             target = torch.zeros(B, tokens.shape[1], dtype=torch.int32)
             starts = np.cumsum([0] + n)
             for b in range(B):
-                target[b, :n[b]] = logits[starts[b]:starts[b + 1]].argmax(-1).to(torch.int32)
+                target[b, :n[b]] = logits[starts[b]:starts[b + 1]].argmax(-1).to(torch.int32).cpu()
             with clock.stage("accept"):
                 acc, acc_len, bonus = (t.cpu() for t in torch.ops.kdev.accept_greedy(
                     tokens.to(device), parents.to(device), count.to(device), target.to(device)))
@@ -270,14 +272,15 @@ def _compared(diff, emitted, b) -> int:
     return len(emitted[b]) if diff is None else diff.position
 
 
-def run(settings: Settings, device: str = "cpu", progress=None, model=None) -> list[BudgetResult]:
-    """Every budget of settings on one model and one set of prompts (the references decoded once)."""
+def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs=None) -> list[BudgetResult]:
+    """Every budget of settings on one model and one set of prompts, the references decoded once (on the CPU, by the
+    stock model) unless given."""
     model = model if model is not None else oracle.build_model()
-    if device != "cpu":
-        model = model.to(device)
     settings.check(model)
     prompts = prompts_for(settings, model.config.vocab_size)
-    refs = references(model.cpu() if device != "cpu" else model, prompts, settings)
-    if device != "cpu":
-        model = model.to(device)
-    return [run_budget(model, prompts, refs, settings, b, device, progress) for b in settings.budgets]
+    refs = refs if refs is not None else references(model, prompts, settings)
+    model = model.to(device)
+    try:
+        return [run_budget(model, prompts, refs, settings, b, device, progress) for b in settings.budgets]
+    finally:
+        model.to("cpu")
