@@ -86,7 +86,7 @@ class Reference:
 
 def greedy(model, prompt: list[int], new_tokens: int) -> Reference:
     """Plain greedy decoding with the model's stock attention and cache (transformers' generate)."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
     with torch.no_grad():
         # the mask given: generate would take a prompt token equal to pad_token_id for padding
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,

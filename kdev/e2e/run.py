@@ -273,13 +273,13 @@ def _compared(diff, emitted, b) -> int:
 
 
 def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs=None) -> list[BudgetResult]:
-    """Every budget of settings on one model and one set of prompts, the references decoded once (on the CPU, by the
-    stock model) unless given."""
+    """Every budget of settings on one model and one set of prompts, the references decoded once (by the stock model,
+    on the same device) unless given."""
     model = model if model is not None else oracle.build_model()
     settings.check(model)
     prompts = prompts_for(settings, model.config.vocab_size)
-    refs = refs if refs is not None else references(model, prompts, settings)
     model = model.to(device)
+    refs = refs if refs is not None else references(model, prompts, settings)
     try:
         return [run_budget(model, prompts, refs, settings, b, device, progress) for b in settings.budgets]
     finally:
