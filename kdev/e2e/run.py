@@ -169,7 +169,8 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
     try:
         # prefill: each prompt one chain from position 0
         lens = [len(p) for p in prompts]
-        trees_mask = torch.from_numpy(np.concatenate([_chain_mask(n) for n in lens]).view(np.int64))
+        words = max(1, (max(lens) + 63) // 64)  # one mask width for the batch
+        trees_mask = torch.from_numpy(np.concatenate([_chain_mask(n, words) for n in lens]).view(np.int64))
         step = _step(lens, [0] * B, trees_mask, max(lens), max(lens), settings.mutant, device)
         logits = _forward(model, latent, step, torch.tensor(sum(prompts, [])), torch.cat(
             [torch.arange(n) for n in lens]), clock, device)
@@ -228,10 +229,10 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
                         accepted_total / rounds, (accepted_total + rounds) / rounds, seconds, differences)
 
 
-def _chain_mask(n: int) -> np.ndarray:
+def _chain_mask(n: int, words: int | None = None) -> np.ndarray:
     from kdev import ddtree
 
-    return ddtree.tree_mask_rows(ddtree.chain_tree(n, np.zeros(n, np.int64)), ddtree.mask_words(n))
+    return ddtree.tree_mask_rows(ddtree.chain_tree(n, np.zeros(n, np.int64)), words or ddtree.mask_words(n))
 
 
 def _step(sizes, prefix, mask, max_qlen, max_kv_len, mutant, device) -> adapter.VerifyStep:

@@ -29,7 +29,7 @@ def test_the_backend_verify_forward_eager_and_in_a_replayed_graph(seed, kernel):
     torch.manual_seed(seed)
     layer = types.SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, scaling=0.1352, qk_head_dim=cabi.QK_DIM)
     req_to_token = torch.zeros(ROWS, CONTEXT + T, dtype=torch.int32, device="cuda")  # the server's one table
-    pool = Pool(POOL_PAGES * PAGE + 1, device="cuda")  # the last slot: padded rows' writes
+    pool = Pool((POOL_PAGES + 1) * PAGE, device="cuda")  # a page past the batches': padded rows' writes
     pool.buf[0].copy_(torch.randn_like(pool.buf[0], dtype=torch.float32).to(torch.bfloat16))
     backend = kb.KdevVerifyBackend(Fallback(), req_to_token, PAGE, CONTEXT, T, kernel=kernel)
     verify = Mode("target_verify")
