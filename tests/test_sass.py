@@ -331,3 +331,27 @@ def test_the_hot_path_leaves_out_stretches_a_branch_skips_without_hmma_and_guard
     r = sass.loop_report(fn, 0, len(body) - 1)
     assert (r["smem_wavefronts"], r["smem_wavefronts_hot"]) == (4 + 4 + 1 + 1 + 4, 4 + 4)
 
+
+
+def test_sass_with_arch_reads_the_last_build_of_that_arch(monkeypatch, tmp_path):
+    """kdev build --arch sm_90 names its library in latest-sm_90.json, not latest.json: kdev sass --arch sm_90 finds it
+    there (a GPU round builds one arch, then reads its SASS)."""
+    import typer
+
+    from kdev.cli import app, tools
+
+    one_arch = tmp_path / "libkdtree.so"
+    monkeypatch.setattr(kbuild, "latest_library", lambda output_dir=None, archs=None: one_arch if archs else None)
+    read = []
+
+    def stop(ref, archs):
+        read.append((ref, archs))
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(tools, "_sass_library", stop)
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["sass", "--arch", "sm_90"])
+    assert r.exit_code == 0 and read == [(str(one_arch), ["sm_90"])], r.output
+    r = CliRunner().invoke(app, ["sass"])
+    assert r.exit_code == 3 and "no library" in r.output

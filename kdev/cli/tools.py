@@ -85,9 +85,11 @@ def sass_cmd(
     for ref in (library, against):  # a reference that names nothing is bad input, before any build is looked for
         if ref is not None and refs.describe_library_ref(ref) is None:
             raise BadInput(f"{ref}: {refs.NO_LIBRARY_REF}")
-    if library is None and kbuild.latest_library() is None:
+    # the last build of exactly these archs (kdev build --arch sm_90 names its own), else build.yaml's
+    latest = (archs and kbuild.latest_library(archs=archs)) or kbuild.latest_library()
+    if library is None and latest is None:
         raise EnvironmentMissing("no library: run 'kdev build' first, or pass --library")
-    lib = _sass_library(library or str(kbuild.latest_library()), archs)
+    lib = _sass_library(library or str(latest), archs)
     if against is not None:
         base, kernel = _sass_library(against, archs), kernel or ""
         rows = sass.compare(sass.parse(sass.dump(base)), sass.parse(sass.dump(lib)), kernel, archs)
