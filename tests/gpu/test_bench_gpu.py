@@ -62,6 +62,9 @@ def test_a_kernel_from_a_second_library_runs_beside_the_first_in_one_run(lib, tm
     shutil.copy2(lib.path, copy)
     tree = tmp_path / "tree" / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, tree)
+    # sources of its own: a copy equal to kernels/ would be this checkout's build of the config, reused as it is
+    with open(tree / "verify_attn.cu", "a") as f:
+        f.write("// a copy under test\n")
     cfg = bench.load_bench()
     shape = bench.expand(cfg, None, ["B=2,L=3000,N=16,H=8"], None)
     backends = ["flash", f"flash@{copy.parent}", f"flash-portable@{copy}", f"flash@{tree}"]
