@@ -142,11 +142,22 @@ def e2e_cmd(
     agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (the kernels need cuda)."),
     seed: int = typer.Option(0, "--seed", help="Prompts, drafter and cache layout."),
+    acceptance: Optional[Path] = typer.Option(
+        None, "--acceptance", help="Instead of decoding: the budget curve of a real deploy from this acceptance curve "
+        "(YAML: tokens_per_round by budget, e.g. measured in production), --attention and --step-costs."),
+    attention: Optional[Path] = typer.Option(None, "--attention", help="With --acceptance: a kdev bench result with "
+                                             "the verify attention's times over the budgets at --batch/--prefix."),
+    step_costs: Optional[Path] = typer.Option(None, "--step-costs", help="With --acceptance: the rest of a step's "
+                                              "cost model (default: configs/steps/kimi-k2.6-rtx-pro-6000-tp8.yaml)."),
+    batch: int = typer.Option(1, "--batch", min=1, help="With --acceptance: requests per step."),
+    prefix: int = typer.Option(32768, "--prefix", min=0, help="With --acceptance: tokens of each request's prefix."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="With --acceptance: a PNG of tokens/s by budget."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
 ):
     """Tree speculative decoding on a small MLA model (transformers' DeepSeek-V3, its attention swapped for kdev's)
-    against plain greedy decoding of the same model, token for token; accepted length and time per stage per budget."""
+    against plain greedy decoding of the same model, token for token; accepted length and time per stage per budget.
+    With --acceptance, the budget curve of a real deploy instead."""
     from kdev.cli import check_device, write_json_file
     from kdev.e2e import run
 
@@ -155,6 +166,9 @@ def e2e_cmd(
         budgets = tuple(int(b) for b in budget.split(",") if b.strip())
     except ValueError:
         raise BadInput(f"--budget {budget!r}: whole numbers, comma-separated") from None
+    if acceptance is not None:
+        _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, plot_out, out_json, json_out)
+        return
     if backend != "reference" and device != "cuda":
         raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
     settings = run.Settings(prompts, rounds, budgets or (0,), page_size, backend, depth, topk, agree, seed=seed)
@@ -169,6 +183,32 @@ def e2e_cmd(
         views.show_e2e(results, settings)
     if not doc["passed"]:
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, plot_out, out_json, json_out):
+    from kdev.cli import write_json_file
+    from kdev.e2e import deploy
+
+    if attention is None:
+        raise BadInput("--acceptance needs --attention (a kdev bench result over the budgets)")
+    costs = deploy.load_step_costs(step_costs or deploy.default_step_costs())
+    curve, source = deploy.load_acceptance(acceptance)
+    kernel = "flash" if backend == "reference" else backend
+    times, timed_on = deploy.load_attention(attention, batch, prefix, costs.heads // costs.tensor_parallel, kernel)
+    if timed_on != costs.gpu_name:
+        report.warn(f"the verify attention was timed on {timed_on}, the step costs are for {costs.gpu_name}: "
+                    "time it on the deploy GPU for the deploy's curve")
+    rows = deploy.budget_curve(costs, times, curve, list(budgets), batch)
+    doc = {"step_costs": costs.__dict__, "acceptance": {"file": str(acceptance), "source": source},
+           "attention": {"file": str(attention), "kernel": kernel, "batch": batch, "prefix": prefix,
+                         "gpu": timed_on}, "budgets": rows}
+    write_json_file(out_json, doc)
+    if plot_out is not None:
+        deploy.plot(plot_out, rows, f"{costs.name}: B={batch}, prefix {prefix}, {kernel}")
+    if json_out:
+        report.emit_json(doc)
+    else:
+        views.show_deploy_curve(rows, costs, batch, prefix, kernel, source)
 
 
 # --------------------------------------------------------------------------------------------------- clean

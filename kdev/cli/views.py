@@ -321,6 +321,23 @@ def show_e2e(results, settings) -> None:
     report.show("times per round, all prompts together (the ms columns); tokens/s: emitted tokens over the stages' time")
 
 
+def show_deploy_curve(rows, costs, batch, prefix, kernel, source) -> None:
+    table = [[r["budget"], f"{r['tokens_per_round']:.2f}",
+              f"{r['verify_attention_us']:,.0f}", f"{r['experts_touched']:.0f}", f"{r['weight_bytes'] / 1e9:.2f}",
+              f"{r['weights_us']:,.0f}", f"{r['allreduce_us']:,.0f}", f"{r['step_us']:,.0f}",
+              f"{100 * r['attention_share']:.0f}%",
+              report.styled(f"{r['tokens_per_s']:,.0f}", "green") if r["best"] else f"{r['tokens_per_s']:,.0f}"]
+             for r in rows]
+    report.show(report.table(
+        f"{costs.name}: B={batch}, prefix {prefix}, {kernel}; acceptance: {source}",
+        ["budget", "tokens/round", "verify attn µs", "experts/layer", "weights GB", "weights µs", "all-reduce µs",
+         "step µs", "attn share", "tokens/s"], table))
+    best = next(r for r in rows if r["best"])
+    report.show(f"best budget {best['budget']}: {best['tokens_per_s']:,.0f} tokens/s; per GPU, the step reads its "
+                f"weights at {costs.bytes_per_s / 1e12:.2f} TB/s ({costs.gpu_name}), experts touched as if routing "
+                "were uniform (an upper bound)")
+
+
 # ---------------------------------------------------------------------------------------- clean, deploy, all
 def show_clean(items, repo, removed: bool) -> None:
     rows = [[str(i.path.relative_to(repo)), f"{i.bytes / 1e6:.1f}", i.why] for i in items]
