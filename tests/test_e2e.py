@@ -42,6 +42,15 @@ def test_speculative_decoding_emits_greedys_tokens_in_float64(oracle_run, page_s
     assert by_budget[1].tokens_per_round <= 2.0  # one drafted node: at most itself and the bonus
 
 
+def test_prompts_longer_than_a_prefill_chain_are_prefilled_in_chunks(oracle_run):
+    """Chunks of 13 tokens (prompts of 8 to 48): every chunk sees the ones before it; prompts of one, two, three or
+    four chunks in one batch, and a request already prefilled takes no rows in the later chunks."""
+    model, refs = oracle_run
+    settings = run.Settings(**{**SETTINGS.__dict__, "budgets": (16,), "rounds": 4, "prefill_chunk": 13})
+    (r,) = run.run(settings, model=model, refs=refs)
+    assert r.passed and not r.differences, [d.to_dict() for d in r.differences]
+
+
 @pytest.mark.parametrize("mutant", run.MUTANTS)
 def test_each_planted_fault_is_caught_and_named(oracle_run, mutant):
     model, refs = oracle_run

@@ -1,6 +1,6 @@
 """Tree speculative decoding against plain greedy decoding, token for token (kdev e2e).
 
-Per batch of prompts and node budget: prefill (each prompt a chain, through the adapter), then rounds of draft ->
+Per batch of prompts and node budget: prefill (each prompt as chains through the adapter), then rounds of draft ->
 DDTree build (torch.ops.kdev.build_ddtree) -> one verify forward over every tree -> greedy accept
 (torch.ops.kdev.accept_greedy) -> KV compaction (torch.ops.kdev.compact_kv) -> the bonus token as the next root. On
 CUDA the ops are kdev's kernels; on the CPU their references. The emitted tokens are compared with the oracle's greedy
@@ -81,6 +81,7 @@ class Settings:
     max_prompt: int = 48
     seed: int = 0
     mutant: str | None = None
+    prefill_chunk: int = cabi.MAX_QLEN - 1  # prompt tokens per prefill forward (a chain of at most MAX_QLEN rows)
 
     def check(self, model) -> None:
         for b in self.budgets:
@@ -95,8 +96,10 @@ class Settings:
         problem = cabi.page_size_problem(self.page_size)
         if problem:
             raise BadInput(f"--page-size: {problem}")
-        if not 1 <= self.min_prompt <= self.max_prompt or self.max_prompt > cabi.MAX_QLEN:
-            raise BadInput(f"prompt lengths {self.min_prompt}..{self.max_prompt}: 1 to {cabi.MAX_QLEN} tokens")
+        if not 1 <= self.min_prompt <= self.max_prompt or self.max_prompt > cabi.MAX_PREFIX:
+            raise BadInput(f"prompt lengths {self.min_prompt}..{self.max_prompt}: 1 to {cabi.MAX_PREFIX} tokens")
+        if not 1 <= self.prefill_chunk <= cabi.MAX_QLEN:
+            raise BadInput(f"prefill chunk {self.prefill_chunk}: 1 to {cabi.MAX_QLEN} tokens (one chain per call)")
         longest = self.max_prompt + 1 + self.rounds * (self.depth + 1) + self.depth
         if longest > model.config.max_position_embeddings:
             raise BadInput(f"a prompt of {self.max_prompt} tokens and {self.rounds} rounds reach position {longest}, "
@@ -167,17 +170,25 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
     emitted_round: list[list[int]] = [[] for _ in range(B)]
     accepted_total = 0
     try:
-        # prefill: each prompt one chain from position 0
+        # prefill: each prompt as chains of up to prefill_chunk tokens, each after the chunks before it (a prompt
+        # already done takes no rows); the first generated token is the argmax at a prompt's last position
         lens = [len(p) for p in prompts]
-        words = max(1, (max(lens) + 63) // 64)  # one mask width for the batch
-        trees_mask = torch.from_numpy(np.concatenate([_chain_mask(n, words) for n in lens]).view(np.int64))
-        step = _step(lens, [0] * B, trees_mask, max(lens), max(lens), settings.mutant, device)
-        logits = _forward(model, latent, step, torch.tensor(sum(prompts, [])), torch.cat(
-            [torch.arange(n) for n in lens]), clock, device)
-        ends = np.cumsum(lens) - 1
-        for b in range(B):
-            emitted[b].append(int(logits[ends[b]].argmax()))
-            emitted_round[b].append(0)
+        done = [0] * B
+        while any(d < n for d, n in zip(done, lens)):
+            sizes = [min(settings.prefill_chunk, n - d) for d, n in zip(done, lens)]
+            words = max(1, (max(sizes) + 63) // 64)  # one mask width for the batch
+            mask = torch.from_numpy(np.concatenate([_chain_mask(t, words) for t in sizes]).view(np.int64))
+            step = _step(sizes, done, mask, max(sizes), max(d + t for d, t in zip(done, sizes)), settings.mutant,
+                         device)
+            tokens = torch.tensor(sum((p[d:d + t] for p, d, t in zip(prompts, done, sizes)), []))
+            logits = _forward(model, latent, step, tokens, torch.cat([d + torch.arange(t) for d, t in zip(done, sizes)]),
+                              clock, device)
+            ends = np.cumsum(sizes) - 1
+            for b in range(B):
+                done[b] += sizes[b]
+                if sizes[b] and done[b] == lens[b]:
+                    emitted[b].append(int(logits[ends[b]].argmax()))
+                    emitted_round[b].append(0)
         L = torch.tensor(lens, dtype=torch.int32)
         for r in range(1, settings.rounds + 1):
             with clock.stage("draft"):

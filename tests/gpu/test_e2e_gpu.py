@@ -1,5 +1,5 @@
 """The end-to-end check on a GPU with kdev's bf16 kernels in the loop (flash and flash-portable; the DDTree build,
-accept and compaction kernels): 32 prompts x 64 rounds, budgets 16, 64 and 256, 64-token pages. Every difference
+accept and compaction kernels): 32 prompts of 8K+ tokens x 64 rounds, budgets 16, 64 and 256, 64-token pages. Every difference
 from greedy decoding must be a bf16 near-tie of the oracle (run.TIE_REL), and the stage times are reported."""
 
 import pytest
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model_and_refs():
-    settings = run.Settings(prompts=32, rounds=64, budgets=(16, 64, 256), max_prompt=1000, seed=11)
+    # prompts of 8K+ tokens: nine prefill chunks each
+    settings = run.Settings(prompts=32, rounds=64, budgets=(16, 64, 256), min_prompt=8200, max_prompt=9000, seed=11)
     model = oracle.build_model().to("cuda")
     prompts = run.prompts_for(settings, model.config.vocab_size)
     return settings, model, run.references(model, prompts, settings)
