@@ -142,6 +142,9 @@ def e2e_cmd(
     agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (the kernels need cuda)."),
     seed: int = typer.Option(0, "--seed", help="Prompts, drafter and cache layout."),
+    graph: bool = typer.Option(False, "--graph", help="Capture each budget's verify forward in a CUDA graph and replay "
+                               "it every round, as a server does (a kernel backend on cuda; the verify attention is "
+                               "then not timed apart from the forward)."),
     acceptance: Optional[Path] = typer.Option(
         None, "--acceptance", help="Instead of decoding: the budget curve of a real deploy from this acceptance curve "
         "(YAML: tokens_per_round by budget, e.g. measured in production), --attention and --step-costs."),
@@ -171,7 +174,8 @@ def e2e_cmd(
         return
     if backend != "reference" and device != "cuda":
         raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
-    settings = run.Settings(prompts, rounds, budgets or (0,), page_size, backend, depth, topk, agree, seed=seed)
+    settings = run.Settings(prompts, rounds, budgets or (0,), page_size, backend, depth, topk, agree, seed=seed,
+                            graph=graph)
     with report.progress("e2e", rounds * len(settings.budgets)) as advance:
         results = run.run(settings, device, advance)
     doc = {"settings": {k: v for k, v in settings.__dict__.items()}, "tie_rel": run.TIE_REL,

@@ -295,12 +295,14 @@ def show_sass_compare(rows: list[dict], base, lib, kernel: str) -> None:
 # ----------------------------------------------------------------------------------------------------- e2e
 def show_e2e(results, settings) -> None:
     """One row per budget: what was compared, acceptance, and each stage's time per round; then every difference."""
-    stages = ("draft", "tree build", "verify attention", "rest of forward", "accept", "compact")
+    stages = ("draft", "tree build", "verify attention", "rest of forward", "verify forward (graph)", "accept",
+              "compact")
+    stages = tuple(k for k in stages if any(k in r.seconds for r in results))
     rows = []
     for r in results:
         per_round = {k: 1e3 * r.seconds.get(k, 0.0) / r.rounds for k in stages}
         step = sum(per_round.values())
-        share = per_round["verify attention"] / step if step else 0.0
+        share = per_round.get("verify attention", 0.0) / step if step else 0.0
         bad = sum(not d.excused for d in r.differences)
         excused = sum(d.excused for d in r.differences)
         rows.append([r.budget, r.tokens, f"{r.accepted_per_round:.2f}", f"{r.tokens_per_round:.2f}",

@@ -68,6 +68,7 @@ class LatentAttention:
         self.cache, self.backend, self.sync = cache, backend, sync
         self.step: VerifyStep | None = None
         self.seconds = 0.0  # the verify attention's time, every layer and forward
+        self.timed = True  # off while a CUDA graph is captured (no synchronisation is allowed there)
 
     def attend(self, layer: int, q_rows: torch.Tensor, k_rows: torch.Tensor, scale: float) -> torch.Tensor:
         step, cache = self.step, self.cache
@@ -82,7 +83,8 @@ class LatentAttention:
         if step.mutant == "mask-bit" and int(step.q_indptr[1]) > 1:
             mask = mask.clone()
             mask[1, 0] &= ~1  # node 1 of the first tree stops seeing its root
-        self.sync()
+        if self.timed:
+            self.sync()
         t0 = time.perf_counter()
         if self.backend == "reference":
             out, _ = mla.reference_verify_attn(q_rows, pool, cache.page_table, step.prefix_lens, step.q_indptr, mask,
@@ -93,8 +95,9 @@ class LatentAttention:
             out, _ = torch.ops.kdev.verify_attn(q_rows.to(torch.bfloat16), pool, cache.page_table, step.prefix_lens,
                                                 step.q_indptr, mask, scale, self.backend, step.max_qlen,
                                                 step.max_kv_len)
-        self.sync()
-        self.seconds += time.perf_counter() - t0
+        if self.timed:
+            self.sync()
+            self.seconds += time.perf_counter() - t0
         return out.to(q_rows.dtype)
 
 

@@ -81,6 +81,7 @@ class Settings:
     max_prompt: int = 48
     seed: int = 0
     mutant: str | None = None
+    graph: bool = False  # each budget's verify forward captured in a CUDA graph and replayed (CUDA only)
     prefill_chunk: int = cabi.MAX_QLEN - 1  # prompt tokens per prefill forward (a chain of at most MAX_QLEN rows)
 
     def check(self, model) -> None:
@@ -149,9 +150,59 @@ class _Clock:
 
 
 def _logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The model's own modules in its order (embedding, rotary table, decoder layers, norm, LM head), without the
+    causal mask the model would build for its stock attention: the adapter takes the tree mask, and the mask's host
+    checks could not be captured in a CUDA graph."""
+    m = model.model
     with torch.no_grad():
-        hidden = model.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False).last_hidden_state
-        return model.lm_head(hidden)[0]
+        hidden = m.embed_tokens(tokens[None])
+        pos = positions[None]
+        emb = m.rotary_emb(hidden, pos)
+        for layer in m.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=emb)
+            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        return model.lm_head(m.norm(hidden))[0]
+
+
+class _GraphedVerify:
+    """One budget's verify forward captured once in a CUDA graph and replayed every round, as a server runs it: the
+    trees' tokens, positions and kdev's contract tensors are static and refilled in place; the flash plan is made for
+    the cache's length (a bound) and B x (budget + 1) rows."""
+
+    def __init__(self, model, latent, batch: int, nodes: int, bound: int, mutant, device):
+        self.model, self.latent, self.nodes, self.graph, self.out = model, latent, nodes, None, None
+        n = batch * nodes
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.step = adapter.VerifyStep(
+            torch.arange(0, (batch + 1) * nodes, nodes, dtype=torch.int32, device=device),
+            torch.zeros(batch, dtype=torch.int32, device=device),
+            torch.zeros(n, (nodes + 63) // 64, dtype=torch.int64, device=device),
+            torch.arange(batch, device=device).repeat_interleave(nodes), torch.zeros(n, dtype=torch.long, device=device),
+            nodes, bound, mutant)
+
+    def __call__(self, prefix: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        st = self.step
+        st.prefix_lens.copy_(prefix)
+        st.tree_mask.copy_(mask)
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        st.position.copy_(st.prefix_lens.long()[st.request] + torch.arange(self.nodes, device=st.position.device).repeat(
+            len(st.prefix_lens)))
+        self.latent.step = st
+        self.latent.timed = False
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _logits(self.model, self.tokens, self.positions)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = _logits(self.model, self.tokens, self.positions)
+        self.latent.timed = True
+        self.graph.replay()
+        return self.out
 
 
 def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cpu", progress=None) -> BudgetResult:
@@ -169,6 +220,7 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
     emitted: list[list[int]] = [[] for _ in range(B)]
     emitted_round: list[list[int]] = [[] for _ in range(B)]
     accepted_total = 0
+    graphed = None
     try:
         # prefill: each prompt as chains of up to prefill_chunk tokens, each after the chunks before it (a prompt
         # already done takes no rows); the first generated token is the argmax at a prompt's last position
@@ -203,8 +255,16 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
             flat_tokens = torch.cat([tokens[b, :n[b]] for b in range(B)]).long()
             flat_pos = torch.cat([positions[b, :n[b]] for b in range(B)]).long()
             flat_mask = torch.cat([masks[b, :n[b]] for b in range(B)])
-            step = _step(n, L.tolist(), flat_mask, max(n), int((L + count).max()), settings.mutant, device)
-            logits = _forward(model, latent, step, flat_tokens, flat_pos, clock, device)
+            if settings.graph:
+                if set(n) != {budget + 1}:
+                    raise BadInput(f"--graph: a tree of {min(n)} nodes, not budget + 1: the drafter's depth x top-k "
+                                   "cannot fill the budget")
+                graphed = graphed or _GraphedVerify(model, latent, B, budget + 1, max_len, settings.mutant, device)
+                with clock.stage("verify forward (graph)"):
+                    logits = graphed(L.to(device), flat_mask.to(device), flat_tokens.to(device), flat_pos.to(device))
+            else:
+                step = _step(n, L.tolist(), flat_mask, max(n), int((L + count).max()), settings.mutant, device)
+                logits = _forward(model, latent, step, flat_tokens, flat_pos, clock, device)
             target = torch.zeros(B, tokens.shape[1], dtype=torch.int32)
             starts = np.cumsum([0] + n)
             for b in range(B):
@@ -289,6 +349,8 @@ def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs
     on the same device) unless given."""
     model = model if model is not None else oracle.build_model()
     settings.check(model)
+    if settings.graph and (torch.device(device).type != "cuda" or settings.backend == "reference"):
+        raise BadInput("--graph: a kernel backend on --device cuda (the float64 reference reads lengths on the host)")
     prompts = prompts_for(settings, model.config.vocab_size)
     model = model.to(device)
     refs = refs if refs is not None else references(model, prompts, settings)

@@ -1,6 +1,7 @@
 """The end-to-end check on a GPU with kdev's bf16 kernels in the loop (flash and flash-portable; the DDTree build,
-accept and compaction kernels): 32 prompts of 8K+ tokens x 64 rounds, budgets 16, 64 and 256, 64-token pages. Every difference
-from greedy decoding must be a bf16 near-tie of the oracle (run.TIE_REL), and the stage times are reported."""
+accept and compaction kernels): 32 prompts of 8K+ tokens x 64 rounds, budgets 16, 64 and 256, 64-token pages, eagerly
+and as replayed CUDA graphs. Every difference from greedy decoding must be a bf16 near-tie of the oracle
+(run.TIE_REL), and the stage times are reported."""
 
 import pytest
 
@@ -20,15 +21,19 @@ def model_and_refs():
     return settings, model, run.references(model, prompts, settings)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "flash-portable"])
-def test_kernels_in_the_loop_emit_greedys_tokens_but_for_bf16_near_ties(model_and_refs, kernel):
+@pytest.mark.parametrize("kernel,graph", [("flash", False), ("flash-portable", False), ("flash", True),
+                                          ("flash-portable", True)])
+def test_kernels_in_the_loop_emit_greedys_tokens_but_for_bf16_near_ties(model_and_refs, kernel, graph):
+    """Eagerly (each stage timed), and with each budget's verify forward captured in a CUDA graph and replayed every
+    round (as a server runs it)."""
     settings, model, refs = model_and_refs
-    settings = run.Settings(**{**settings.__dict__, "backend": kernel})
+    settings = run.Settings(**{**settings.__dict__, "backend": kernel, "graph": graph})
     results = run.run(settings, device="cuda", model=model, refs=refs)
     for r in results:
         failed = [d.to_dict() for d in r.differences if not d.excused]
         assert not failed, failed
         assert len(r.differences) <= settings.prompts // 4  # near-ties are rare: most prompts compared to the end
-        assert r.seconds["verify attention"] > 0 and r.seconds["tree build"] > 0 and r.seconds["compact"] > 0
+        assert r.seconds["tree build"] > 0 and r.seconds["compact"] > 0
+        assert r.seconds["verify forward (graph)"] > 0 if graph else r.seconds["verify attention"] > 0
         print(f"{kernel} budget {r.budget}: {r.tokens_per_round:.2f} tokens/round, "
               f"{ {k: round(1e3 * v / r.rounds, 2) for k, v in r.seconds.items()} } ms per round")
