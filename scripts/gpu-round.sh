@@ -140,6 +140,12 @@ for dir in "${VARIANTS[@]}"; do
   [ -z "${VARIANT_DIR[$name]:-}" ] || { echo "--variants: two variants named $name (the folder above kernels/)" >&2; exit 2; }
   VARIANT_DIR[$name]="$dir"
 done
+# kdev's own command line must start: a missing or broken dependency is one line before the round, not a traceback in
+# every step of it
+if ! err="$(python3 -m kdev --version 2>&1)"; then
+  echo "python3 -m kdev does not start here ($(printf '%s' "$err" | tail -n 1)): pip install -e . (kdev's dependencies)" >&2
+  exit 3
+fi
 LOG="$OUT/round.log"
 declare -A RC
 step() {  # step NAME CMD...: run under the step time limit, log, remember the exit code

@@ -26,6 +26,21 @@ def test_step_timeout_must_be_whole_seconds(tmp_path, value):
     assert not (tmp_path / "out" / "round.log").exists()  # refused before the round began
 
 
+def test_a_round_where_kdev_does_not_start_stops_in_one_line(tmp_path):
+    """A machine without kdev's dependencies (here: a python3 that lacks typer) gets one line and exit 3, before any
+    step (the round would otherwise print the same traceback in every step)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'typer'\" >&2\nexit 1\n")
+    (fake / "python3").chmod(0o755)
+    r = subprocess.run(["bash", str(SCRIPT), "--fuzz", "0"], capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "GPU_ARCH": "sm_90"})
+    assert r.returncode == 3
+    assert r.stderr.strip() == ("python3 -m kdev does not start here (ModuleNotFoundError: No module named 'typer'): "
+                                "pip install -e . (kdev's dependencies)")
+    assert not (tmp_path / "out" / "round.log").exists()
+
+
 def test_unknown_option_is_refused(tmp_path):
     r = run(tmp_path, "--fuz", "10")
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
