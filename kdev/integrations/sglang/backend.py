@@ -13,7 +13,7 @@ runs eagerly and while a CUDA graph is captured. Under graphs the backend owns s
 before every replay; the flash plan is made for that context length (a bound: shorter requests are correct, their
 splits past the end are empty), so a graph replays at any length up to it.
 
-This module imports without SGLang; `register()` is the one place that imports it.
+This module imports without SGLang; only `register()` and the factory it registers import SGLang's modules.
 """
 
 from __future__ import annotations
@@ -46,16 +46,6 @@ class VerifyBatch:
     max_kv_len: int
 
 
-def _pack_bits(bits: torch.Tensor, words: int) -> torch.Tensor:
-    """[rows, cols] bool -> [rows, words] int64, column j at bit j % 64 of word j // 64. The bits are summed as
-    distinct powers of two (bit 63 as -2^63): the sum is the OR, in one reduction, with no host read."""
-    rows, cols = bits.shape
-    padded = torch.zeros(rows, words * 64, dtype=torch.int64, device=bits.device)
-    padded[:, :cols] = bits.to(torch.int64)
-    weights = torch.ones(64, dtype=torch.int64, device=bits.device) << torch.arange(64, device=bits.device)
-    return (padded.view(rows, words, 64) * weights).sum(-1)
-
-
 def verify_batch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                  custom_mask: torch.Tensor, num_draft: int, page_size: int, max_kv_len: int,
                  into: VerifyBatch | None = None) -> VerifyBatch:
@@ -77,7 +67,7 @@ def verify_batch(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
     # a padded request of a replayed graph may point past the mask: clamp (its rows are discarded)
     idx = idx.clamp_(0, max(custom_mask.numel() - 1, 0)).view(bs * T, T)
     words = into.tree_mask.shape[1] if into is not None else (T + 63) // 64
-    tree_mask = _pack_bits(custom_mask.view(-1)[idx].bool(), words)
+    tree_mask = convert.pack_rows(custom_mask.view(-1)[idx].bool(), words)
     # pages of the bound; the table's width ends where req_to_token's does (entries past it stay 0: never read)
     pages = (max_kv_len + page_size - 1) // page_size
     rows = req_to_token.index_select(0, req_pool_indices.to(torch.int64))
