@@ -378,6 +378,20 @@ __device__ __forceinline__ int split_chunk(int kv_len, int num_splits) {
   return (chunk + kBlockN - 1) / kBlockN * kBlockN;
 }
 
+// The part of request b's KV (its prefix, then its T tree rows) that split `split` of `num_splits` takes: tokens
+// [begin, end), cut by split_chunk; L is the prefix length. Every flash kernel's CTA starts from it (copied into plain
+// variables there: a structured binding of it changed the teams kernel's schedule).
+struct KvSplit {
+  int L, begin, end;
+};
+__device__ __forceinline__ KvSplit kv_split(const VerifyAttnParams& p, int b, int T, int split, int num_splits) {
+  const int L = p.prefix_lens[b];
+  const int kv_len = L + T;
+  const int chunk = split_chunk(kv_len, num_splits);
+  const int begin = min(kv_len, split * chunk);
+  return {L, begin, min(kv_len, begin + chunk)};
+}
+
 // Where a CTA's KV tiles come from: request b's pages and the pool.
 struct KvSource {
   const __nv_bfloat16* kv;

@@ -194,11 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
   if (R > 0 && R - row0 <= kNarrowRows) {
-    const int L = p.prefix_lens[b];
-    const int kv_len = L + T;
-    const int chunk = split_chunk(kv_len, narrow_splits);
-    const int kv_begin = min(kv_len, split * chunk);
-    const int kv_end = min(kv_len, kv_begin + chunk);
+    const KvSplit kv = kv_split(p, b, T, split, narrow_splits);
+    const int L = kv.L, kv_begin = kv.begin, kv_end = kv.end;
     narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end,
                                      narrow_partials(p, num_splits, split, narrow_splits, b, q0, row0));
   }

@@ -112,11 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
   // spent while the last tiles run.
   launch_dependents();
-  const int L = p.prefix_lens[b];
-  const int kv_len = L + T;
-  const int chunk = split_chunk(kv_len, num_splits);
-  const int kv_begin = min(kv_len, split * chunk);
-  const int kv_end = min(kv_len, kv_begin + chunk);
+  const KvSplit kv = kv_split(p, b, T, split, num_splits);
+  const int L = kv.L, kv_begin = kv.begin, kv_end = kv.end;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int team = warp / 4, q = warp % 4;       // team, P.V value-column quarter
