@@ -7,17 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdev import cabi
-
 
 class OracleDrafter:
     def __init__(self, depth: int, topk: int, vocab: int, agree: float, seed: int):
-        if topk < 1:
-            raise ValueError(f"drafter top-k {topk}: at least 1")
-        if not 1 <= depth <= cabi.MAX_DEPTH:
-            raise ValueError(f"drafter depth {depth}: 1 to {cabi.MAX_DEPTH}")
-        if not 0.0 <= agree <= 1.0:
-            raise ValueError(f"drafter agreement {agree}: between 0 and 1")
+        """depth, topk and agree as run.Settings.check admits them."""
         self.depth, self.topk, self.vocab, self.agree = depth, min(topk, vocab), vocab, agree
         self.rng = np.random.default_rng(seed)
 

@@ -11,6 +11,7 @@ prompt is compared no further than its first excused position (the two decodings
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -134,19 +135,16 @@ class _Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
+    @contextlib.contextmanager
     def stage(self, name: str):
-        clock = self
-
-        class Stage:
-            def __enter__(self):
-                clock.sync()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                clock.sync()
-                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-
-        return Stage()
+        """Adds the seconds of the enclosed work (the GPU's too: synchronised on either side) to the stage's total."""
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -294,7 +292,8 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
     seconds["rest of forward"] = seconds.pop("forward", 0.0) - latent.seconds
     seconds["verify attention"] = latent.seconds
     differences = compare(emitted, emitted_round, refs, reference)
-    compared = sum(_compared(d, emitted, b) for b, d in enumerate(_by_prompt(differences, B)))
+    first = {d.prompt: d.position for d in differences}  # a prompt is compared up to its first difference
+    compared = sum(first.get(b, len(emitted[b])) for b in range(B))
     rounds = B * settings.rounds
     return BudgetResult(budget, settings.page_size, settings.backend, settings.rounds, B, compared,
                         accepted_total / rounds, (accepted_total + rounds) / rounds, seconds, differences)
@@ -333,15 +332,6 @@ def compare(emitted, emitted_round, refs, exact: bool) -> list[Difference]:
                 out.append(Difference(b, emitted_round[b][i], i, g, w, gap, excused))
                 break
     return out
-
-
-def _by_prompt(differences, B):
-    first = {d.prompt: d for d in differences}
-    return [first.get(b) for b in range(B)]
-
-
-def _compared(diff, emitted, b) -> int:
-    return len(emitted[b]) if diff is None else diff.position
 
 
 def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs=None) -> list[BudgetResult]:
