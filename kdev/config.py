@@ -360,6 +360,27 @@ def load_build(path: str | Path | None = None, archs: list[str] | None = None) -
 
 # ------------------------------------------------------------------------------------------------ GPUs
 @dataclass(frozen=True)
+class Rate:
+    """One figure of configs/gpus.yaml's rates: known ({value}: low == high) or a range ({low, high}), with its source."""
+
+    low: float
+    high: float
+    source: str = ""
+    measured: bool = False
+
+    @property
+    def nominal(self) -> float:
+        return (self.low + self.high) / 2
+
+    @property
+    def known(self) -> bool:
+        return self.low == self.high
+
+
+RATE_NAMES = ("clock_mhz", "smem_bytes_per_clk", "l2_bytes_per_clk", "issue_per_clk", "l2_mb")
+
+
+@dataclass(frozen=True)
 class GpuSpec:
     """What a launch plan depends on, for a GPU that need not be here (configs/gpus.yaml) or the one that is."""
 
@@ -375,6 +396,8 @@ class GpuSpec:
     bytes_per_s: float | None = None
     ceilings_measured: bool = False
     ceilings_source: str = ""
+    ceilings_clock_mhz: float | None = None  # the SM clock the flops ceiling holds at
+    rates: dict | None = None  # RATE_NAMES -> Rate: what kdev plan --project prices SASS with
 
     @property
     def major(self) -> int:
@@ -398,10 +421,30 @@ def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
             positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
             spec.update(flops=c.get("tflops", float, **positive) * 1e12,
                         bytes_per_s=c.get("gbps", float, **positive) * 1e9,
-                        ceilings_measured=c.get("measured", bool), ceilings_source=c.get("source", str, ""))
+                        ceilings_measured=c.get("measured", bool), ceilings_source=c.get("source", str, ""),
+                        ceilings_clock_mhz=c.get("clock_mhz", (int, float), None, **positive))
             c.done()
+        if "rates" in r.data:
+            spec["rates"] = _rates(r.sub("rates"))
         r.done()
         out[key] = GpuSpec(**spec)
     gpus.done()
     top.done()
+    return out
+
+
+def _rates(r: "_Reader") -> dict:
+    out = {}
+    for name in RATE_NAMES:
+        x = r.sub(name)
+        positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
+        if "value" in x.data:
+            low = high = float(x.get("value", (int, float), **positive))
+        else:
+            low, high = float(x.get("low", (int, float), **positive)), float(x.get("high", (int, float), **positive))
+            if low > high:
+                raise x.fail("low", f"{low:g} is above high {high:g}")
+        out[name] = Rate(low, high, x.get("source", str), x.get("measured", bool, False))
+        x.done()
+    r.done()
     return out

@@ -198,6 +198,17 @@ class PlanLibrary:
                 break  # past the cap, or more than one split without a full tile: so are all larger counts
         return out
 
+    def launch_time(self, full_ctas: int, full_cta: float, narrow_ctas: int, narrow_cta: float,
+                    narrow_cold_cta: float, sm_count: int) -> float:
+        """The planner's schedule of one launch (kdtree_flash_launch_time): when its last CTA ends, in the CTAs' unit."""
+        if not hasattr(self.lib, "kdtree_flash_launch_time"):
+            raise EnvironmentMissing(f"{self.path}: built from sources without kdtree_flash_launch_time: run 'kdev build'")
+        out = ctypes.c_double()
+        if self.lib.kdtree_flash_launch_time(full_ctas, full_cta, narrow_ctas, narrow_cta, narrow_cold_cta, sm_count,
+                                             ctypes.byref(out)):
+            raise self._fail("kdtree_flash_launch_time")
+        return out.value
+
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
         return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable)
 

@@ -271,6 +271,23 @@ int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen,
   return KDTREE_OK;
 }
 
+// The planner's schedule of one flash launch (one CTA per SM): when the last CTA ends, for full-tile CTAs that each take
+// `full_cta` and narrow CTAs that take `narrow_cta` beside them and `narrow_cold_cta` once the full-tile kernel has ended,
+// in whatever unit the times are given. The planner weighs its choices with it in KV tiles; `kdev plan --project` gives
+// it projected microseconds, so the projection's waves are the planner's own. Needs no GPU.
+int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, double narrow_cta,
+                             double narrow_cold_cta, int sm_count, double* time) {
+  g_last_error[0] = '\0';
+  if (time == nullptr) return fail(KDTREE_ERR_INVALID, "time is NULL");
+  if (full_ctas < 0 || narrow_ctas < 0 || full_ctas + narrow_ctas < 1)
+    return fail(KDTREE_ERR_INVALID, "CTA counts %d + %d: need >= 0 each and one CTA at least", full_ctas, narrow_ctas);
+  if (!(full_cta >= 0.0) || !(narrow_cta >= 0.0) || !(narrow_cold_cta >= 0.0))
+    return fail(KDTREE_ERR_INVALID, "CTA times must be >= 0 (got %g, %g, %g)", full_cta, narrow_cta, narrow_cold_cta);
+  if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
+  *time = kdtree::flash_launch_time(full_ctas, full_cta, narrow_ctas, narrow_cta, narrow_cold_cta, sm_count);
+  return KDTREE_OK;
+}
+
 // ------------------------------------------------------------------------------------------ DDTree kernels
 int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';

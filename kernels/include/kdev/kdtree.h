@@ -167,6 +167,8 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
                       size_t* workspace_bytes);
 int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
                             int splits, int narrow_splits, double* cost);
+int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, double narrow_cta,
+                             double narrow_cold_cta, int sm_count, double* time);
 
 /* DDTree: tree build, greedy accept, KV compaction. */
 int kdtree_build_ddtree(const DDTreeBuildParams* p, kdtree_stream_t stream);

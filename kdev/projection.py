@@ -1,0 +1,496 @@
+"""kdev plan --project: how long the flash call will take on a GPU that is not here, from the SASS of that arch's build,
+the launch plan and the GPU's rates, with constants fitted on GPUs this project has timed. docs/projection.md says
+how the model works, what it ignores and how far it was off.
+
+The model, per kernel of the call (the full-tile kernel, the narrow kernel, the split-KV combine):
+- one KV tile of one CTA costs, on each pipe of an SM, cycles read off the main loop's SASS (one iteration is one
+  32-token tile for all 8 warps):
+    tensor   HMMAs x 4,096 FLOP over the tensor rate per SM and clock (the mma.sync ceiling over SMs x its clock),
+    smem     shared-memory wavefronts (the hot path's LDSM/LDS/STS/LDGSTS, plus the tile's bytes / 128 where a tensor
+             copy writes it) over the shared-memory bytes per clock / 128,
+    issue    hot-path instructions over the warp instructions an SM issues per clock,
+    l2       the tile's 36,864 bytes over the L2 -> SM bytes per clock,
+    dram     the tile's share of the bytes that come from device memory, over the memory's bytes per clock per SM;
+  the tile takes the largest of them over `efficiency` (how much of the limiting pipe the loop keeps busy);
+- a CTA takes its KV tiles plus `cta_cycles` (its Q load, its output or partial store, its ramp);
+- the launch's end is the planner's own schedule (kdtree_flash_launch_time: full-tile waves, the narrow CTAs on the SMs
+  the last wave leaves, then on every SM) with those CTA times in microseconds; a narrow CTA that starts after the
+  full-tile kernel reads its KV from device memory (its dram pipe at every tile);
+- the combine reads the split partials and writes the output at the memory's rate; `call_us` is the rest (launches).
+Three constants per GPU family (efficiency, cta_cycles, call_us), fitted by least relative squares on the points
+configs/projection.yaml names; never one per shape.
+
+KV traffic by level: every row tile's CTAs read their request's KV range from L2 (l2_read_bytes); device memory serves
+it once where the row tiles of a split run together and the KV fits the L2, and as often as it is read where they do not
+(dram low / high). A cluster of c CTAs of one request and split sharing each KV tile (TMA multicast, or distributed
+shared memory) divides both by c: `clusters` shows what that would buy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from kdev import bench, cabi, sass
+from kdev import plan as kplan
+from kdev.config import CONFIG_DIR, REPO_ROOT, GpuSpec, Rate, load_gpus, load_yaml, _Reader
+from kdev.errors import BadInput, EnvironmentMissing
+
+HMMA_FLOP = 16 * 8 * 16 * 2  # one HMMA.16816
+TILE_BYTES = kplan.BLOCK_N * kplan.KV_ROW_BYTES  # one KV tile: 32 tokens x 576 bf16
+WARPS = kplan.THREADS // 32
+WAVEFRONT = 128
+PARTIAL_ROW_BYTES = (cabi.LATENT_DIM + 1) * 4  # a split partial's row: 512 fp32 values and the LSE
+OUT_ROW_BYTES = cabi.LATENT_DIM * 2
+COMPUTE_PIPES, MEMORY_PIPES = ("tensor", "smem", "issue"), ("l2", "dram")
+CLUSTERS = (2, 4)
+PROJECTION_CONFIG = CONFIG_DIR / "projection.yaml"
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class Loop:
+    """The main HMMA loop of one kernel on one arch, per warp and KV tile."""
+
+    kernel: str
+    arch: str
+    instructions: int  # the hot path's (stretches a forward branch skips without HMMA left out)
+    hmma: int
+    smem_wavefronts: int  # the hot path's, guarded instructions left out (kdev sass)
+    cp_async: bool  # the tile is written by LDGSTS in the loop (counted above); else a tensor copy writes it
+
+
+def read_loops(library: Path, archs: list[str]) -> dict[tuple[str, str], Loop]:
+    """(arch, kernel) -> its main HMMA loop (the loop with the most HMMAs), for every kernel of the library with one."""
+    functions = sass.parse(sass.dump(library))
+    names = sass.demangle(sorted({f.name for f in functions}))
+    out = {}
+    for f in functions:
+        if f.arch not in archs:
+            continue
+        best = None
+        for first, last in sass.loops(f):
+            body = f.instrs[first:last + 1]
+            hmma = sum(i.op == "HMMA" for i in body)
+            if hmma and (best is None or hmma > best[0]):
+                best = (hmma, first, last)
+        if best is None:
+            continue
+        hmma, first, last = best
+        body = f.instrs[first:last + 1]
+        rare = sass.rare_stretches(body)
+        hot = [i for i, r in zip(body, rare) if not r]
+        report = sass.loop_report(f, first, last)
+        name = names.get(f.name, f.name)
+        out[(f.arch, name)] = Loop(name, f.arch, len(hot), hmma, report["smem_wavefronts_hot"],
+                                   any(i.op == "LDGSTS" for i in hot))
+    return out
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One corner of a GPU's rates: every figure a number (a range's low or high end, or its middle)."""
+
+    clock_mhz: float
+    tensor_flop_per_clk: float
+    smem_bytes_per_clk: float
+    l2_bytes_per_clk: float
+    dram_bytes_per_s: float
+    issue_per_clk: float
+    l2_bytes: float
+    sms: int
+
+    @property
+    def dram_bytes_per_clk(self) -> float:  # per SM
+        return self.dram_bytes_per_s / (self.clock_mhz * 1e6) / self.sms
+
+
+def rate_table(gpu: GpuSpec) -> dict[str, Rate]:
+    """The GPU's rates, the tensor and memory ones derived from its ceilings (one truth: configs/gpus.yaml's)."""
+    if not gpu.rates or not gpu.flops or not gpu.bytes_per_s or not gpu.ceilings_clock_mhz:
+        raise BadInput(f"{gpu.name}: configs/gpus.yaml gives no rates or no ceilings with clock_mhz for it: the "
+                       f"projection needs both (docs/projection.md)")
+    tensor = gpu.flops / (gpu.sms * gpu.ceilings_clock_mhz * 1e6)
+    out = dict(gpu.rates)
+    out["tensor_flop_per_clk"] = Rate(tensor, tensor, f"ceilings: {gpu.ceilings_source}", gpu.ceilings_measured)
+    out["dram_bytes_per_s"] = Rate(gpu.bytes_per_s, gpu.bytes_per_s, f"ceilings: {gpu.ceilings_source}",
+                                   gpu.ceilings_measured)
+    return out
+
+
+# The unknowns a projection's range spans, each with the end that makes the call slower: the clock and the L2's
+# bandwidth (configs/gpus.yaml ranges), and the loop's efficiency, from 1 (the limiting pipe never idles: the SASS's
+# own floor) down to the fitted family's.
+UNKNOWNS = ("clock_mhz", "l2_bytes_per_clk", "efficiency")
+
+
+def corner(table: dict[str, Rate], gpu: GpuSpec, slow: dict[str, bool]) -> Rates:
+    """The rates at one corner: for each range, its slow end (True), its fast end (False) or its middle (absent)."""
+    def at(name: str) -> float:
+        r = table[name]
+        if name not in slow:
+            return r.nominal
+        # a lower clock or bandwidth is slower
+        return r.low if slow[name] else r.high
+
+    return Rates(clock_mhz=at("clock_mhz"), tensor_flop_per_clk=at("tensor_flop_per_clk"),
+                 smem_bytes_per_clk=at("smem_bytes_per_clk"), l2_bytes_per_clk=at("l2_bytes_per_clk"),
+                 dram_bytes_per_s=at("dram_bytes_per_s"), issue_per_clk=at("issue_per_clk"),
+                 l2_bytes=at("l2_mb") * 1e6, sms=gpu.sms)
+
+
+@dataclass(frozen=True)
+class Constants:
+    family: str
+    efficiency: float  # of the limiting pipe, in the tile loop
+    cta_cycles: float  # per CTA beside its tiles
+    call_us: float  # per call beside its kernels' CTAs and the combine's bytes
+    memory_tile_cycles: float  # a tile read from device memory with the loads one CTA keeps in flight (latency)
+    fitted_on: tuple = ()  # the files
+    points: int = 0
+
+    def vector(self) -> np.ndarray:
+        return np.array([self.efficiency, self.cta_cycles, self.call_us, self.memory_tile_cycles])
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def tile_cycles(loop: Loop, rates: Rates, dram_share: float) -> dict[str, float]:
+    """Cycles one KV tile of one CTA takes on each pipe of its SM (one CTA per SM)."""
+    wavefronts = loop.smem_wavefronts * WARPS + (0 if loop.cp_async else TILE_BYTES / WAVEFRONT)
+    return {
+        "tensor": loop.hmma * WARPS * HMMA_FLOP / rates.tensor_flop_per_clk,
+        "smem": wavefronts / (rates.smem_bytes_per_clk / WAVEFRONT),
+        "issue": loop.instructions * WARPS / rates.issue_per_clk,
+        "l2": TILE_BYTES / rates.l2_bytes_per_clk,
+        "dram": TILE_BYTES * dram_share / rates.dram_bytes_per_clk,
+    }
+
+
+def _bound(cycles: dict[str, float]) -> str:
+    pipe = max(cycles, key=cycles.get)
+    return {"l2": "memory (L2)", "dram": "memory (DRAM)", "issue": "issue"}.get(pipe, pipe)
+
+
+@dataclass
+class KernelProjection:
+    kernel: str
+    ctas: int
+    tiles_per_cta: int
+    tile_cycles: dict
+    bound: str
+    cta_us: float  # one CTA: its tiles and its fixed cycles
+
+
+@dataclass
+class ShapeProjection:
+    shape: str
+    axes: dict
+    call: str
+    gpu: str
+    us: float
+    bound: str
+    kernels: list
+    combine_us: float
+    plan: dict  # row tiles, splits, waves (kdev plan's figures)
+    traffic: dict
+
+
+def dram_share(plan: kplan.ShapePlan, rates: Rates, reuse: bool = True) -> float:
+    """The fraction of the CTAs' tile reads that device memory serves. With L2 reuse (what the Hopper points show:
+    an H100 times the 128K prefix as an H200 does, with 70 % of its memory bandwidth and a KV three times its L2) the
+    row tiles of a split read each tile once from memory while the KV fits the L2, and in proportion past it; without,
+    every read."""
+    if not reuse:
+        return 1.0
+    once = 1.0 / max(1, plan.row_tiles)
+    return min(1.0, once * max(1.0, plan.kv_bytes / rates.l2_bytes))
+
+
+def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, gpu: GpuSpec, call: str,
+                  k: Constants, rates: Rates, l2_reuse: bool = True, cluster: int = 1) -> ShapeProjection:
+    p = kplan.plan_shape(planner, shape, gpu, call)
+    if p.ctas_per_sm != 1:
+        raise BadInput(f"{shape.name}: {p.full_kernel} fits {p.ctas_per_sm} CTAs per SM on {gpu.name}: the model "
+                       f"(and the planner's schedule) takes one")
+    arch = gpu.arch.rstrip("a")
+    kv_len = shape.prefix + shape.T
+    share = dram_share(p, rates, l2_reuse)
+    clock = rates.clock_mhz  # cycles per microsecond
+
+    def kernel(name: str, ctas: int, splits: int, cold: bool) -> KernelProjection:
+        loop = loops.get((arch, name))
+        if loop is None:
+            raise EnvironmentMissing(f"the library has no {arch} SASS of {name} with an HMMA loop: kdev build --arch {arch}")
+        tiles = max(kplan.split_tiles(kv_len, splits))
+        cyc = tile_cycles(loop, rates, 1.0 if cold else share / cluster)
+        cyc["l2"] /= cluster
+        if cold:
+            cyc["dram"] = max(cyc["dram"], k.memory_tile_cycles)
+        per_tile = max(max(cyc[p] for p in COMPUTE_PIPES) / k.efficiency, *(cyc[p] for p in MEMORY_PIPES))
+        return KernelProjection(name, ctas, tiles, {n: round(c, 1) for n, c in cyc.items()},
+                                _bound(cyc) if tiles * per_tile >= k.cta_cycles else "latency",
+                                (tiles * per_tile + k.cta_cycles) / clock)
+
+    kernels = [kernel(p.full_kernel, p.full_ctas, p.splits, False)] if p.full_ctas else []
+    narrow = narrow_cold = 0.0
+    if p.narrow_ctas:
+        warm = kernel(p.narrow_kernel, p.narrow_ctas, p.narrow_splits, False)
+        cold = kernel(p.narrow_kernel, p.narrow_ctas, p.narrow_splits, True)
+        kernels.append(warm)
+        narrow, narrow_cold = warm.cta_us, cold.cta_us
+    full = kernels[0].cta_us if p.full_ctas else 0.0
+    end = planner.launch_time(p.full_ctas, full, p.narrow_ctas, narrow, narrow_cold, gpu.sms)
+    rows = shape.batch * p.rows
+    partials = (p.splits > 1) * rows * p.splits + (p.narrow_splits > 1) * shape.batch * kplan.NARROW_ROWS * p.narrow_splits
+    combine = (partials * PARTIAL_ROW_BYTES + rows * OUT_ROW_BYTES) / rates.dram_bytes_per_s * 1e6
+    l2_read = sum(x.ctas * x.tiles_per_cta for x in kernels) * TILE_BYTES
+    traffic = {"kv_bytes": p.kv_bytes, "l2_read_bytes": l2_read / cluster,
+               "dram_bytes_low": p.kv_bytes, "dram_bytes_high": l2_read / cluster}
+    plan = {"row_tiles": p.row_tiles, "splits": p.splits, "narrow_splits": p.narrow_splits, "waves": p.waves,
+            "full_ctas": p.full_ctas, "narrow_ctas": p.narrow_ctas}
+    return ShapeProjection(shape.name, asdict(shape), call, gpu.name, end + combine + k.call_us,
+                           kernels[0].bound if kernels else "-", [asdict(x) for x in kernels], combine, plan, traffic)
+
+
+# -------------------------------------------------------------------------------------------------- points
+@dataclass(frozen=True)
+class Point:
+    """One measured call: a shape, a product, a median, and the GPU it ran on (its clock and ceilings that day)."""
+
+    gpu: GpuSpec
+    shape: bench.Shape
+    call: str
+    us: float
+    source: str
+
+
+def _with_run(gpu: GpuSpec, clock: float | None, flops: float | None, bytes_per_s: float | None) -> GpuSpec:
+    """The GPU as one run saw it: its clock and ceilings that day, where the file records them."""
+    rates = dict(gpu.rates or {})
+    if clock:
+        rates["clock_mhz"] = Rate(clock, clock, "the run's own NVML samples", True)
+    return replace(gpu, rates=rates, flops=flops or gpu.flops, bytes_per_s=bytes_per_s or gpu.bytes_per_s,
+                   ceilings_clock_mhz=clock or gpu.ceilings_clock_mhz)
+
+
+def _gpu_named(name: str, where: str) -> GpuSpec:
+    gpus = load_gpus()
+    found = gpus.get(name) or next((g for g in gpus.values() if g.name == name), None)
+    if found is None:
+        raise BadInput(f"{where}: GPU {name!r} is not in configs/gpus.yaml (have: {', '.join(gpus)})")
+    return found
+
+
+def points_from_bench(doc: dict, where: str) -> list[Point]:
+    """The flash products' medians of a kdev bench result (or a field report's bench part)."""
+    prov = doc.get("provenance") or {}
+    gpu = _gpu_named((prov.get("gpu") or {}).get("name", "?"), where)
+    ceil = prov.get("ceilings") or {}
+    out = []
+    for r in doc.get("results", []):
+        t = r.get("timing") or {}
+        if r.get("backend") not in kplan.CALLS or not t.get("median_us") or r.get("check") != "ok":
+            continue
+        clocks = [c for c in t.get("sm_clock_mhz") or [] if c]
+        clock = float(np.median(clocks)) if clocks else None
+        axes = {k: v for k, v in r["axes"].items() if k in bench.Shape.__dataclass_fields__}
+        out.append(Point(_with_run(gpu, clock, ceil.get("flops"), ceil.get("bytes_per_s")), bench.Shape(**axes),
+                         r["backend"], float(t["median_us"]), where))
+    return out
+
+
+def points_from_table(path: Path) -> list[Point]:
+    """A points file (benchmarks/points/*.yaml): medians transcribed from a run's table, with its GPU and ceilings."""
+    top = _Reader(load_yaml(path), path, "")
+    gpu = _gpu_named(top.get("gpu", str), str(path))
+    top.get("commit", str)
+    clock = top.get("clock_mhz", (int, float))
+    c = top.sub("ceilings")
+    flops, gbps = c.get("tflops", (int, float)) * 1e12, c.get("gbps", (int, float)) * 1e9
+    c.done()
+    run_gpu = _with_run(gpu, float(clock), flops, gbps)
+    out = []
+    for i, row in enumerate(top.get("points", list)):
+        if not isinstance(row, dict):
+            raise BadInput(f"{path}: points[{i}] is not a mapping")
+        axes = {k: row[k] for k in ("batch", "prefix", "budget", "heads", "page_size") if k in row}
+        for call in kplan.CALLS:
+            if call in row:
+                out.append(Point(run_gpu, bench.Shape(**axes), call, float(row[call]), str(path)))
+    top.done()
+    return out
+
+
+def load_points(path: Path) -> list[Point]:
+    """The measured calls of a bench result (.json), a field report (.json) or a points table (.yaml)."""
+    if not path.is_file():
+        raise BadInput(f"{path}: no such file")
+    if path.suffix in (".yaml", ".yml"):
+        return points_from_table(path)
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: not readable JSON: {e}") from None
+    if isinstance(doc, dict) and doc.get("kind") == "kdev-field-report":
+        doc = doc.get("bench") or {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise BadInput(f"{path}: neither a kdev bench result nor a field report (no results)")
+    points = points_from_bench(doc, str(path))
+    if not points:
+        raise BadInput(f"{path}: no timed flash or flash-portable result in it")
+    return points
+
+
+# ------------------------------------------------------------------------------------------------------ fit
+@dataclass(frozen=True)
+class Family:
+    name: str
+    archs: tuple
+    fit: tuple  # files the constants are fitted on
+    held_out: tuple  # files they are checked on
+    borrow: str | None  # a family without points takes another's constants (the assumption the range names)
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    tolerance: float
+    families: dict
+    start: Constants
+
+
+def load_config(path: Path = PROJECTION_CONFIG) -> ProjectionConfig:
+    top = _Reader(load_yaml(path), path, "")
+    tol = top.get("tolerance", float, check=lambda v: 0 < v < 1, check_msg="a fraction in (0, 1)")
+    s = top.sub("start")
+    start = Constants("start", s.get("efficiency", float), s.get("cta_cycles", (int, float)),
+                      s.get("call_us", (int, float)), s.get("memory_tile_cycles", (int, float)))
+    s.done()
+    fams = top.sub("families")
+    families = {}
+    for name in list(fams.data):
+        f = fams.sub(name)
+        families[name] = Family(name, tuple(f.get("archs", list)), tuple(f.get("fit", list, [])),
+                                tuple(f.get("held_out", list, [])), f.get("borrow", str, None))
+        f.done()
+    fams.done()
+    top.done()
+    for f in families.values():
+        if not f.fit and (f.borrow not in families or not families[f.borrow].fit):
+            raise BadInput(f"{path}: family {f.name} has no fit files and borrows from no family that has")
+    return ProjectionConfig(tol, families, start)
+
+
+def family_of(cfg: ProjectionConfig, arch: str) -> Family:
+    arch = arch.rstrip("a")
+    for f in cfg.families.values():
+        if arch in f.archs:
+            return f
+    raise BadInput(f"{arch}: no family in configs/projection.yaml takes it")
+
+
+class Model:
+    """The built library's plan and SASS, and what the projection computes with them."""
+
+    def __init__(self, planner: kplan.PlanLibrary, archs: list[str]):
+        self.planner = planner
+        self.loops = read_loops(planner.path, archs)
+
+    def predict(self, point: Point, k: Constants) -> float:
+        rates = corner(rate_table(point.gpu), point.gpu, {})
+        return project_shape(self.planner, self.loops, point.shape, point.gpu, point.call, k, rates).us
+
+    def fit(self, points: list[Point], start: Constants, family: str, files: tuple) -> Constants:
+        """Least relative squares over (efficiency, cta_cycles, call_us): Levenberg-Marquardt with a numeric Jacobian
+        (the model is piecewise linear in the constants), each kept in its range (0 < efficiency <= 1, the rest >= 0)."""
+        if len(points) < 3:
+            raise BadInput(f"family {family}: {len(points)} points cannot fit three constants")
+        meas = np.array([p.us for p in points])
+        lo, hi = np.array([0.05, 0.0, 0.0, 0.0]), np.array([1.0, 1e6, 1e3, 1e6])
+
+        def resid(x: np.ndarray) -> np.ndarray:
+            k = Constants(family, *x)
+            return np.array([self.predict(p, k) for p in points]) / meas - 1.0
+
+        x, lam = np.clip(start.vector(), lo, hi), 1e-2
+        r = resid(x)
+        for _ in range(60):
+            steps = np.maximum(np.abs(x) * 1e-4, 1e-6)
+            J = np.stack([(resid(x + np.eye(len(x))[j] * steps[j]) - r) / steps[j] for j in range(len(x))], axis=1)
+            A, g = J.T @ J, J.T @ r
+            improved = False
+            for _ in range(12):
+                cand = np.clip(x - np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), g), lo, hi)
+                rc = resid(cand)
+                if rc @ rc < r @ r:
+                    done = (r @ r - rc @ rc) < 1e-12
+                    x, r, lam, improved = cand, rc, max(lam / 3, 1e-9), True
+                    break
+                lam *= 4
+            if not improved or done:
+                break
+        return Constants(family, *map(float, x), fitted_on=files, points=len(points))
+
+
+def points_of(files: tuple, root: Path = REPO_ROOT) -> list[Point]:
+    out = []
+    for f in files:
+        out += load_points(root / f if not Path(f).is_absolute() else Path(f))
+    return out
+
+
+def constants_for(model: Model, cfg: ProjectionConfig, arch: str, extra: list[Point] = ()) -> tuple[Constants, Family]:
+    """The fitted constants of the arch's family (or of the family it borrows from), with extra points added."""
+    fam = family_of(cfg, arch)
+    src = fam if fam.fit else cfg.families[fam.borrow]
+    pts = points_of(src.fit) + [p for p in extra if family_of(cfg, p.gpu.arch).name == src.name]
+    return model.fit(pts, cfg.start, src.name, src.fit), fam
+
+
+def check(model: Model, points: list[Point], k: Constants) -> list[dict]:
+    """Each point's projection against its measurement."""
+    out = []
+    for p in points:
+        us = model.predict(p, k)
+        out.append({"gpu": p.gpu.name, "shape": p.shape.name, "call": p.call, "measured_us": p.us,
+                    "projected_us": us, "error": us / p.us - 1.0, "source": p.source})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the report
+def project(model: Model, shapes: list[bench.Shape], gpu: GpuSpec, call: str, k: Constants) -> dict:
+    """Per shape: the projection at the middle of the GPU's ranges with the family's efficiency (its kernels, bound and
+    KV traffic); the range from every unknown at its fast end to every one at its slow end, and the unknown that moves
+    it most; and the case the L2 does not serve the row tiles' re-reads, alone and with a cluster of CTAs sharing each
+    KV tile."""
+    table = rate_table(gpu)
+    out = []
+    for s in shapes:
+        def at(slow: dict, l2_reuse: bool = True, cluster: int = 1) -> ShapeProjection:
+            kk = k if slow.get("efficiency", True) else replace(k, efficiency=1.0)
+            return project_shape(model.planner, model.loops, s, gpu, call, kk, corner(table, gpu, slow), l2_reuse,
+                                 cluster)
+
+        nominal = at({})
+        fast, slow = dict.fromkeys(UNKNOWNS, False), dict.fromkeys(UNKNOWNS, True)
+        moves = {n: at({n: True}).us - at({n: False}).us for n in UNKNOWNS}
+        full = nominal.kernels[0] if nominal.kernels else None
+        doc = asdict(nominal)
+        doc.update(low_us=at(fast).us, high_us=at(slow).us, moved_most_by=max(moves, key=moves.get),
+                   moves_us=moves, no_l2_reuse_us=at({}, False).us,
+                   clusters=[{"ctas": c, "no_l2_reuse_us": at({}, False, c).us,
+                              "l2_read_bytes": at({}, True, c).traffic["l2_read_bytes"]} for c in CLUSTERS],
+                   l2_binds_below=_l2_threshold(full, k) if full else None)
+        out.append(doc)
+    return {"gpu": gpu.name, "arch": gpu.arch, "call": call, "constants": asdict(k),
+            "rates": {n: asdict(r) for n, r in table.items()}, "shapes": out}
+
+
+def _l2_threshold(full: dict, k: Constants) -> float:
+    """The L2 -> SM bytes per SM and clock below which the full-tile kernel's tiles would wait on the L2."""
+    compute = max(full["tile_cycles"][p] for p in COMPUTE_PIPES) / k.efficiency
+    return TILE_BYTES / compute
