@@ -28,7 +28,8 @@ shared memory) divides both by c: `clusters` shows what that would buy.
 
 from __future__ import annotations
 
-import math
+import hashlib
+import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from kdev import bench, cabi, sass
 from kdev import plan as kplan
 from kdev.config import CONFIG_DIR, REPO_ROOT, GpuSpec, Rate, load_gpus, load_yaml, _Reader
 from kdev.errors import BadInput, EnvironmentMissing
+from kdev.fsutil import atomic_write_bytes, read_json_record
 
 HMMA_FLOP = 16 * 8 * 16 * 2  # one HMMA.16816
 TILE_BYTES = kplan.BLOCK_N * kplan.KV_ROW_BYTES  # one KV tile: 32 tokens x 576 bf16
@@ -63,14 +65,35 @@ class Loop:
     cp_async: bool  # the tile is written by LDGSTS in the loop (counted above); else a tensor copy writes it
 
 
-def read_loops(library: Path, archs: list[str]) -> dict[tuple[str, str], Loop]:
-    """(arch, kernel) -> its main HMMA loop (the loop with the most HMMAs), for every kernel of the library with one."""
+LOOPS_CACHE = "sass-loops.json"  # beside the library: reading its SASS takes cuobjdump seconds
+
+
+def read_loops(library: Path) -> dict[tuple[str, str], Loop]:
+    """(arch, kernel) -> its main HMMA loop, for every kernel of the library with one; kept beside the library, keyed
+    by the library's bytes."""
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    cache = library.parent / LOOPS_CACHE
+    doc = read_json_record(cache, ("library_sha256", "loops"))
+    if doc is not None and doc["library_sha256"] == digest:
+        try:
+            return {(x["arch"], x["kernel"]): Loop(**x) for x in doc["loops"]}
+        except (TypeError, KeyError):
+            pass  # a cache from another version of this module: read the SASS again
+    loops = _read_loops(library)
+    try:
+        atomic_write_bytes(cache, json.dumps({"library_sha256": digest,
+                                              "loops": [asdict(x) for x in loops.values()]}).encode())
+    except OSError:
+        pass  # a read-only build folder: the next run reads the SASS again
+    return loops
+
+
+def _read_loops(library: Path) -> dict[tuple[str, str], Loop]:
+    """The main HMMA loop (the loop with the most HMMAs) of every kernel of the library that has one."""
     functions = sass.parse(sass.dump(library))
     names = sass.demangle(sorted({f.name for f in functions}))
     out = {}
     for f in functions:
-        if f.arch not in archs:
-            continue
         best = None
         for first, last in sass.loops(f):
             body = f.instrs[first:last + 1]
@@ -245,7 +268,11 @@ def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, g
     end = planner.launch_time(p.full_ctas, full, p.narrow_ctas, narrow, narrow_cold, gpu.sms)
     rows = shape.batch * p.rows
     partials = (p.splits > 1) * rows * p.splits + (p.narrow_splits > 1) * shape.batch * kplan.NARROW_ROWS * p.narrow_splits
-    combine = (partials * PARTIAL_ROW_BYTES + rows * OUT_ROW_BYTES) / rates.dram_bytes_per_s * 1e6
+    # the partials were written just before: the combine reads them from L2 where they fit, else from memory
+    partial_bytes = partials * PARTIAL_ROW_BYTES
+    l2_rate = rates.l2_bytes_per_clk * rates.sms * rates.clock_mhz * 1e6
+    read_rate = l2_rate if partial_bytes <= rates.l2_bytes else rates.dram_bytes_per_s
+    combine = (partial_bytes / read_rate + rows * OUT_ROW_BYTES / rates.dram_bytes_per_s) * 1e6
     l2_read = sum(x.ctas * x.tiles_per_cta for x in kernels) * TILE_BYTES
     traffic = {"kv_bytes": p.kv_bytes, "l2_read_bytes": l2_read / cluster,
                "dram_bytes_low": p.kv_bytes, "dram_bytes_high": l2_read / cluster}
@@ -272,8 +299,9 @@ def _with_run(gpu: GpuSpec, clock: float | None, flops: float | None, bytes_per_
     rates = dict(gpu.rates or {})
     if clock:
         rates["clock_mhz"] = Rate(clock, clock, "the run's own NVML samples", True)
+    # ceilings measured in the run hold at the run's clock
     return replace(gpu, rates=rates, flops=flops or gpu.flops, bytes_per_s=bytes_per_s or gpu.bytes_per_s,
-                   ceilings_clock_mhz=clock or gpu.ceilings_clock_mhz)
+                   ceilings_clock_mhz=clock if flops and clock else gpu.ceilings_clock_mhz)
 
 
 def _gpu_named(name: str, where: str) -> GpuSpec:
@@ -330,8 +358,6 @@ def load_points(path: Path) -> list[Point]:
         raise BadInput(f"{path}: no such file")
     if path.suffix in (".yaml", ".yml"):
         return points_from_table(path)
-    import json
-
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -396,9 +422,9 @@ def family_of(cfg: ProjectionConfig, arch: str) -> Family:
 class Model:
     """The built library's plan and SASS, and what the projection computes with them."""
 
-    def __init__(self, planner: kplan.PlanLibrary, archs: list[str]):
+    def __init__(self, planner: kplan.PlanLibrary):
         self.planner = planner
-        self.loops = read_loops(planner.path, archs)
+        self.loops = read_loops(planner.path)
 
     def predict(self, point: Point, k: Constants) -> float:
         rates = corner(rate_table(point.gpu), point.gpu, {})
@@ -407,8 +433,8 @@ class Model:
     def fit(self, points: list[Point], start: Constants, family: str, files: tuple) -> Constants:
         """Least relative squares over (efficiency, cta_cycles, call_us): Levenberg-Marquardt with a numeric Jacobian
         (the model is piecewise linear in the constants), each kept in its range (0 < efficiency <= 1, the rest >= 0)."""
-        if len(points) < 3:
-            raise BadInput(f"family {family}: {len(points)} points cannot fit three constants")
+        if len(points) < len(start.vector()):
+            raise BadInput(f"family {family}: {len(points)} points cannot fit {len(start.vector())} constants")
         meas = np.array([p.us for p in points])
         lo, hi = np.array([0.05, 0.0, 0.0, 0.0]), np.array([1.0, 1e6, 1e3, 1e6])
 
@@ -444,11 +470,17 @@ def points_of(files: tuple, root: Path = REPO_ROOT) -> list[Point]:
 
 
 def constants_for(model: Model, cfg: ProjectionConfig, arch: str, extra: list[Point] = ()) -> tuple[Constants, Family]:
-    """The fitted constants of the arch's family (or of the family it borrows from), with extra points added."""
+    """The constants of the arch's family, fitted on its points (its fit files and `extra`'s points of its archs); a
+    family with fewer points than constants borrows the fit of the family it names."""
     fam = family_of(cfg, arch)
-    src = fam if fam.fit else cfg.families[fam.borrow]
-    pts = points_of(src.fit) + [p for p in extra if family_of(cfg, p.gpu.arch).name == src.name]
-    return model.fit(pts, cfg.start, src.name, src.fit), fam
+    mine = [p for p in extra if family_of(cfg, p.gpu.arch) is fam]
+    points = points_of(fam.fit) + mine
+    files = fam.fit + tuple(sorted({p.source for p in mine}))
+    if len(points) < len(cfg.start.vector()):
+        src = cfg.families[fam.borrow]
+        points, files = points_of(src.fit), src.fit
+        return model.fit(points, cfg.start, src.name, files), fam
+    return model.fit(points, cfg.start, fam.name, files), fam
 
 
 def check(model: Model, points: list[Point], k: Constants) -> list[dict]:
@@ -494,3 +526,37 @@ def _l2_threshold(full: dict, k: Constants) -> float:
     """The L2 -> SM bytes per SM and clock below which the full-tile kernel's tiles would wait on the L2."""
     compute = max(full["tile_cycles"][p] for p in COMPUTE_PIPES) / k.efficiency
     return TILE_BYTES / compute
+
+
+def fit_report(model: Model, cfg: ProjectionConfig, fam: Family, k: Constants) -> dict:
+    """How far the constants are off on the points they were fitted on, and on the held-out ones (none for a family
+    that borrows its constants: its points are the other family's)."""
+    src = cfg.families[k.family]
+    fitted, held = check(model, points_of(src.fit), k), check(model, points_of(src.held_out), k)
+    worst = lambda rows: max((abs(r["error"]) for r in rows), default=None)  # noqa: E731
+    return {"family": fam.name, "constants_from": k.family, "tolerance": cfg.tolerance, "fit": fitted,
+            "held_out": held, "fit_max_error": worst(fitted), "held_out_max_error": worst(held)}
+
+
+def calibrate(model: Model, cfg: ProjectionConfig, path: Path) -> dict:
+    """A field report (or any bench result) as a calibration point: how far the projection was off on its calls with the
+    constants of before, and the constants and errors once its points join its family's fit."""
+    points = load_points(path)
+    arch = points[0].gpu.arch
+    before, fam = constants_for(model, cfg, arch)
+    after, _ = constants_for(model, cfg, arch, points)
+    return {"file": str(path), "gpu": points[0].gpu.name, "family": fam.name,
+            "constants_before": asdict(before), "before": check(model, points, before),
+            "constants_after": asdict(after), "after": check(model, points, after)}
+
+
+def run(planner: kplan.PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str,
+        calibrate_files: list[Path] = ()) -> dict:
+    """kdev plan --project: the projection at each shape, the fit behind it, and each calibration file's verdict."""
+    cfg = load_config()
+    model = Model(planner)
+    k, fam = constants_for(model, cfg, gpu.arch)
+    doc = project(model, shapes, gpu, call, k)
+    doc["fit"] = fit_report(model, cfg, fam, k)
+    doc["calibrations"] = [calibrate(model, cfg, Path(f)) for f in calibrate_files]
+    return doc

@@ -28,6 +28,11 @@ def plan_cmd(
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default: configs/bench.yaml)."),
     costs: bool = typer.Option(False, "--costs", help="Also the planner's model cost of the choices it weighed "
                                "(full-tile and narrow split counts), the cheapest first, against the one it took."),
+    project: bool = typer.Option(False, "--project", help="Project the call's time on the GPU from its arch's SASS "
+                                 "and rates, with constants fitted on measured GPUs (docs/projection.md)."),
+    calibrate: Optional[list[Path]] = typer.Option(
+        None, "--calibrate", help="With --project: a field report (kdev field-report) or bench result: how far the "
+        "projection was off on its calls, and after its points join the fit (repeatable)."),
     json_out: bool = JsonOpt,
 ):
     """What the flash call launches at DDTree shapes on a GPU (no GPU needed): kernels, row tiles, KV splits, CTAs
@@ -46,6 +51,14 @@ def plan_cmd(
     stale = planner.stale_note()
     if stale:
         report.warn(stale)
+    if calibrate and not project:
+        raise typer.BadParameter("takes --project", param_hint="--calibrate")
+    if project:
+        from kdev import projection
+
+        doc = projection.run(planner, shapes, gpu, call, calibrate or [])
+        report.emit_json(doc) if json_out else views.show_projection(doc)
+        return
     doc = kplan.plan(planner, shapes, gpu, call, costs)
     if json_out:
         report.emit_json(doc)

@@ -227,6 +227,49 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
                     f"({big['bytes']:,} B, at {big['shape']})")
 
 
+def show_projection(doc: dict) -> None:
+    """kdev plan --project: a row per shape (the range, its bound and what moves it, the KV traffic and what a cluster
+    would save), a row per kernel, the fit behind the constants, and each calibration's verdict."""
+    k, fit = doc["constants"], doc["fit"]
+    borrowed = "" if fit["constants_from"] == fit["family"] else f", borrowed from {fit['constants_from']}"
+    report.show(f"constants (family {fit['family']}{borrowed}, fitted on {k['points']} points): efficiency {k['efficiency']:.3f}, "
+                f"{k['cta_cycles']:,.0f} cycles per CTA, {k['call_us']:.1f} µs per call, {k['memory_tile_cycles']:,.0f} "
+                f"cycles per tile from memory")
+    pct = lambda e: "-" if e is None else f"{100 * e:.1f}%"  # noqa: E731
+    report.show(f"off on the fit's points by {pct(fit['fit_max_error'])} at most; on the held-out points by "
+                f"{pct(fit['held_out_max_error'])} at most (tolerance {pct(fit['tolerance'])})")
+    rows = []
+    for s in doc["shapes"]:
+        clusters = "  ".join(f"{c['ctas']}: {c['no_l2_reuse_us']:,.0f}" for c in s["clusters"])
+        rows.append([s["shape"], f"{s['low_us']:,.1f} - {s['high_us']:,.1f}", f"{s['us']:,.1f}", s["bound"],
+                     s["moved_most_by"], f"{s['traffic']['l2_read_bytes'] / 1e6:,.0f} MB "
+                     f"({s['traffic']['l2_read_bytes'] / s['traffic']['kv_bytes']:.1f}x)",
+                     f"{s['no_l2_reuse_us']:,.0f}", clusters,
+                     "-" if s["l2_binds_below"] is None else f"{s['l2_binds_below']:.1f}"])
+    report.show(report.table(
+        f"{doc['call']} projected on {doc['gpu']} ({doc['arch']})",
+        ["shape", "µs range", "µs mid", "bound", "moved most by", "KV read from L2", "µs, no L2 reuse",
+         "cluster CTAs: µs, no reuse", "L2 binds below B/clk/SM"], rows,
+        {"left": ("shape", "bound", "moved most by", "cluster CTAs: µs, no reuse")}))
+    rows = [[s["shape"], x["kernel"].removeprefix("verify_attn_flash_"), x["ctas"], x["tiles_per_cta"],
+             " ".join(f"{p} {c:,.0f}" for p, c in x["tile_cycles"].items()), x["bound"], f"{x['cta_us']:,.1f}"]
+            for s in doc["shapes"] for x in s["kernels"]]
+    rows += [[s["shape"], "combine", "-", "-", "-", "memory", f"{s['combine_us']:,.1f}"] for s in doc["shapes"]
+             if s["combine_us"]]
+    report.show(report.table("per kernel, at the middle of the ranges (cycles per KV tile and CTA on each pipe; a CTA's "
+                             "µs: its tiles and its fixed cycles)",
+                             ["shape", "kernel", "CTAs", "tiles/CTA", "cycles per tile", "bound", "µs per CTA"], rows,
+                             {"left": ("shape", "kernel", "cycles per tile", "bound")}))
+    for c in doc["calibrations"]:
+        rows = [[b["shape"], b["call"], f"{b['measured_us']:,.1f}", f"{b['projected_us']:,.1f}",
+                 f"{100 * b['error']:+.1f}%", f"{a['projected_us']:,.1f}", f"{100 * a['error']:+.1f}%"]
+                for b, a in zip(c["before"], c["after"])]
+        report.show(report.table(
+            f"{c['file']} ({c['gpu']}, family {c['family']}): the projection before and after its points joined the fit",
+            ["shape", "call", "measured µs", "projected µs", "off", "refitted µs", "off"], rows,
+            {"left": ("shape", "call")}))
+
+
 # ---------------------------------------------------------------------------------------------------- sass
 def show_loops(rows: list[dict], lib, kernel: str) -> None:
     """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean."""
