@@ -3,6 +3,7 @@ and never skipped where one is."""
 
 import os
 import textwrap
+import types
 import zlib
 from pathlib import Path
 
@@ -117,3 +118,21 @@ suites:
 @pytest.fixture
 def tiny_suites(write_yaml):
     return write_yaml("suites.yaml", TINY_SUITES)
+
+
+@pytest.fixture
+def fake_nvml():
+    """A factory of fake NVML modules: one RTX PRO 6000 at the clock, power and clock-event reasons given."""
+    def make(clock=2400, power_mw=450_000, limit_mw=600_000, events=0x4):
+        h = object()
+        return types.SimpleNamespace(
+            NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0,
+            nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: h,
+            nvmlDeviceGetCudaComputeCapability=lambda h: (12, 0),
+            nvmlDeviceGetName=lambda h: b"NVIDIA RTX PRO 6000 Blackwell", nvmlDeviceGetUUID=lambda h: "GPU-1234",
+            nvmlSystemGetDriverVersion=lambda: "580.1", nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=96 << 30),
+            nvmlDeviceGetClockInfo=lambda h, k: clock, nvmlDeviceGetMaxClockInfo=lambda h, k: 2617,
+            nvmlDeviceGetPowerUsage=lambda h: power_mw, nvmlDeviceGetEnforcedPowerLimit=lambda h: limit_mw,
+            nvmlDeviceGetTemperature=lambda h, k: 71, nvmlDeviceGetCurrentClocksEventReasons=lambda h: events)
+
+    return make

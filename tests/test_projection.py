@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kdev import bench, cabi, config
+from kdev import bench, cabi, config, field_report
 from kdev import plan as kplan
 from kdev import projection as P
 from kdev.cli import app
@@ -141,8 +141,9 @@ def test_plan_project_prints_each_targets_range_and_bound_at_page_sizes_1_and_64
     assert s["low_us"] > flops / 504e12 * 1e6
 
 
-def synthetic_report(model, tmp_path, scale: float):
-    """A field report as kdev field-report writes one, from an RTX PRO 6000 whose calls took `scale` x the projection."""
+def synthetic_report(model, tmp_path, scale: float, fake_nvml):
+    """A field report as kdev field-report writes one (its steps faked), from an RTX PRO 6000 whose calls took `scale` x
+    the projection."""
     gpu = kplan.resolve_gpu("rtx-pro-6000")
     k, _ = P.constants_for(model, P.load_config(), "sm_120")
     results = []
@@ -155,19 +156,22 @@ def synthetic_report(model, tmp_path, scale: float):
                                        "sm_clock_mhz": [2418, 2418]}})
     # its ceilings measured at its clock: the vendor's rate per SM and clock
     flops = gpu.flops / gpu.ceilings_clock_mhz * 2418
-    doc = {"kind": "kdev-field-report", "version": 1,
-           "bench": {"provenance": {"gpu": {"name": gpu.name},
-                                    "ceilings": {"flops": flops, "bytes_per_s": gpu.bytes_per_s}},
-                     "results": results}}
+    bench_doc = {"provenance": {"gpu": {"name": gpu.name}, "ceilings": {"flops": flops, "bytes_per_s": gpu.bytes_per_s}},
+                 "results": results}
+
+    def runner(step):  # every step passes; the bench step prints the document above
+        return {"name": step.name, "command": "", "rc": 0, "seconds": 0.0,
+                "doc": bench_doc if step.name == "bench" else {}, "tail": []}
+
     path = tmp_path / "field.json"
-    path.write_text(json.dumps(doc))
+    field_report.collect(path, nvml=fake_nvml(), runner=runner)
     return path
 
 
-def test_a_field_report_round_trips_through_calibrate(model, both_archs, tmp_path):
+def test_a_field_report_round_trips_through_calibrate(model, both_archs, tmp_path, fake_nvml):
     """A card 25 % slower than projected: the projection before is off by -20 % on its calls; once its 28 points join
     the sm_120 family's fit (its own constants, no longer borrowed), it is off by ~0."""
-    path = synthetic_report(model, tmp_path, 1.25)
+    path = synthetic_report(model, tmp_path, 1.25, fake_nvml)
     r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--call", "flash-portable", "--project",
                                  "--calibrate", str(path), "--library", str(both_archs[1].library), "--json"])
     assert r.exit_code == 0, r.output

@@ -140,6 +140,30 @@ def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------------- e2e
+@app.command("field-report")
+@command
+def field_report_cmd(
+    out: Path = typer.Option(..., "--out", help="The report to write (one JSON file: the only thing to send)."),
+    fuzz: int = typer.Option(200, "--fuzz", help="Fresh random cases for the fuzz step."),
+    sweep: str = typer.Option("targets", "--sweep", help="The bench sweep, timed at page sizes 1 and 64."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+):
+    """On a machine with the GPU: build for its arch, verify (smoke and fuzz), the sanitizers, the ceilings and the
+    bench targets at page sizes 1 and 64 with NVML's clocks and power sampled throughout, into one JSON file that
+    `kdev plan --project --calibrate FILE` takes as a calibration point."""
+    from kdev import field_report
+
+    def progress(step, result):
+        rc = result["rc"]
+        report.info(report.line(f"{step.name}: ", views.pass_fail(rc == 0, "ok"),
+                                f" ({'timed out' if rc is None else f'exit {rc}'}, {result['seconds']:.0f} s)"))
+
+    doc = field_report.collect(out, fuzz, sweep, force, progress=progress)
+    views.show_field_report(doc, out)
+    if field_report.failed_steps(doc):
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
 @app.command("e2e")
 @command
 def e2e_cmd(

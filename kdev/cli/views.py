@@ -270,6 +270,21 @@ def show_projection(doc: dict) -> None:
             {"left": ("shape", "call")}))
 
 
+def show_field_report(doc: dict, out) -> None:
+    n = doc["nvml"]
+    clock = n["sm_clock_mhz"] or {}
+    power = n["power_w"] or {}
+    report.show(f"{doc['gpu']['name']} ({doc['gpu']['arch']}, driver {doc['gpu']['driver']}, power limit "
+                f"{doc['gpu']['power_limit_w']} W): SM clock {clock.get('min')}-{clock.get('max')} MHz (median "
+                f"{clock.get('median')}), power up to {power.get('max')} W over {n['samples']} samples; clock events: "
+                f"{', '.join(n['clock_events']) or 'none'}")
+    for s in doc["steps"]:
+        if s["rc"] != 0:
+            report.warn(f"{s['name']} ({s['command']}): " + ("did not run" if s["rc"] is None else f"exit {s['rc']}")
+                        + (f": {s['tail'][-1]}" if s["tail"] else ""))
+    report.show(f"report written to {out}: send this one file; `kdev plan --project --calibrate {out}` reads it")
+
+
 # ---------------------------------------------------------------------------------------------------- sass
 def show_loops(rows: list[dict], lib, kernel: str) -> None:
     """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean."""
