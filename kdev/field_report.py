@@ -38,15 +38,16 @@ class Step:
 
 
 def steps(arch: str, fuzz: int, sweep: str, sanitizer: str | None) -> list[Step]:
+    """In the order they run: what the projection reads (the ceilings, the bench) before the long checks."""
     out = [Step("build", ("build", "--arch", arch, "--json"), 1800),
            Step("verify", ("verify", "--suite", "smoke", "--json"), 900),
+           Step("ceilings", ("bench", "--ceilings", "--json"), 1800),
+           Step("bench", ("bench", "--sweep", sweep, "-a", "page_size=1,64", "--backend", "flash,flash-portable",
+                          "--json"), 3600),
            Step("fuzz", ("verify", "--fuzz", str(fuzz), "--json"), 3600)]
     if sanitizer:
         out += [Step(f"sanitizer-{tool}", ("verify", "--suite", "smoke", "--kernel", "flash,flash-portable", "--json"),
                      1800, (sanitizer, "--tool", tool, "--error-exitcode", "1")) for tool in SANITIZER_TOOLS]
-    out += [Step("ceilings", ("bench", "--ceilings", "--json"), 1800),
-            Step("bench", ("bench", "--sweep", sweep, "-a", "page_size=1,64", "--backend", "flash,flash-portable",
-                           "--json"), 3600)]
     return out
 
 
@@ -161,20 +162,27 @@ def collect(out: Path, fuzz: int = 200, sweep: str = "targets", force: bool = Fa
     sanitizer = shutil.which("compute-sanitizer")
     doc = {"kind": KIND, "version": VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "gpu": ident, "steps": []}
+    if sanitizer is None:
+        doc["steps"].append({"name": "sanitizer", "command": "compute-sanitizer", "rc": None, "seconds": 0,
+                             "tail": ["compute-sanitizer not found on PATH: the sanitizers did not run"]})
+    out.parent.mkdir(parents=True, exist_ok=True)
     with NvmlSampler(nvml, handle) as sampler:
+        # the file is rewritten after every step, `complete` false until the last: a report cut short keeps its steps
         for step in steps(ident["arch"], fuzz, sweep, sanitizer):
             result = runner(step)
             progress(step, result)
             doc[step.name] = result.pop("doc")
             doc["steps"].append(result)
-    if sanitizer is None:
-        doc["steps"].append({"name": "sanitizer", "command": "compute-sanitizer", "rc": None, "seconds": 0,
-                             "tail": ["compute-sanitizer not found on PATH: the sanitizers did not run"]})
-    doc["nvml"] = summarize(sampler.samples)
-    doc["nvml"]["interval_s"] = sampler.interval
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, (json.dumps(doc, indent=1) + "\n").encode())
+            _write(out, doc, sampler, complete=False)
+    _write(out, doc, sampler, complete=True)
     return doc
+
+
+def _write(out: Path, doc: dict, sampler: NvmlSampler, complete: bool) -> None:
+    doc["complete"] = complete
+    doc["nvml"] = summarize(list(sampler.samples))
+    doc["nvml"]["interval_s"] = sampler.interval
+    atomic_write_bytes(out, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def failed_steps(doc: dict) -> list[dict]:

@@ -35,11 +35,11 @@ def test_a_report_holds_every_step_and_the_clocks_during_them(tmp_path, monkeypa
     assert json.loads(out.read_text()) == doc
     assert doc["kind"] == fr.KIND and doc["gpu"]["arch"] == "sm_120" and doc["gpu"]["power_limit_w"] == 600
     names = [s.name for s in seen]
-    assert names == ["build", "verify", "fuzz", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
-                     "ceilings", "bench"]
-    assert seen[0].argv[:3] == ("build", "--arch", "sm_120") and "50" in seen[2].argv
-    assert seen[3].wrapper[0] == "/usr/bin/compute-sanitizer" and "racecheck" in seen[4].wrapper
-    assert "page_size=1,64" in seen[-1].argv and doc["bench"] == bench_doc()
+    assert names == ["build", "verify", "ceilings", "bench", "fuzz", "sanitizer-memcheck", "sanitizer-racecheck",
+                     "sanitizer-synccheck"]
+    assert seen[0].argv[:3] == ("build", "--arch", "sm_120") and "50" in seen[4].argv
+    assert seen[5].wrapper[0] == "/usr/bin/compute-sanitizer" and "racecheck" in seen[6].wrapper
+    assert "page_size=1,64" in seen[3].argv and doc["bench"] == bench_doc() and doc["complete"]
     assert doc["nvml"]["samples"] >= 1 and doc["nvml"]["sm_clock_mhz"]["median"] == 2400
     assert doc["nvml"]["power_w"]["max"] == 450 and doc["nvml"]["clock_events"] == ["SwPowerCap"]
     assert not fr.failed_steps(doc)
@@ -49,8 +49,23 @@ def test_a_failing_step_is_recorded_and_the_rest_run(tmp_path, monkeypatch, fake
     monkeypatch.setattr(fr.shutil, "which", lambda tool: None)
     run, seen = fake_runner(fail={"fuzz"})
     doc = fr.collect(tmp_path / "r.json", nvml=fake_nvml(), runner=run)
-    assert [s["name"] for s in fr.failed_steps(doc)] == ["fuzz", "sanitizer"]  # no compute-sanitizer: said so
-    assert seen[-1].name == "bench"  # the steps after the failure ran
+    assert {s["name"] for s in fr.failed_steps(doc)} == {"fuzz", "sanitizer"}  # no compute-sanitizer: said so
+    assert seen[-1].name == "fuzz" and doc["bench"] == bench_doc()  # the steps before and after it ran
+
+
+def test_a_report_cut_short_keeps_the_steps_it_ran(tmp_path, fake_nvml):
+    out = tmp_path / "r.json"
+    run, _ = fake_runner()
+
+    def dies_at_fuzz(step):
+        if step.name == "fuzz":
+            raise KeyboardInterrupt
+        return run(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        fr.collect(out, nvml=fake_nvml(), runner=dies_at_fuzz)
+    doc = json.loads(out.read_text())
+    assert not doc["complete"] and [s["name"] for s in doc["steps"]][-1] == "bench" and doc["bench"] == bench_doc()
 
 
 def test_no_gpu_an_existing_report_and_no_fuzz_are_one_line_each(tmp_path, fake_nvml):
