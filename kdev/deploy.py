@@ -180,6 +180,14 @@ def probe_vectors(repo: Path, suites: tuple) -> Probe:
 LEDGER_WINDOW = 2000
 
 
+def _covers(r: dict, src: str, cfg: DeployConfig) -> bool:
+    """A passing verify of these sources on a required suite, with every required kernel passing."""
+    k = r.get("kernels", {})
+    return bool(r.get("passed") and r.get("kind") == "suite" and r.get("source_hash") == src
+                and r.get("suite", {}).get("name") in cfg.required_suites
+                and all(k.get(n, {}).get("passed") for n in cfg.required_kernels))
+
+
 def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=None) -> Probe:
     from kdev import build as kbuild
     from kdev.ledger import read_records
@@ -188,13 +196,7 @@ def probe_ledger(repo: Path, cfg: DeployConfig, ledger: Path | None = None, now=
     records = read_records(ledger or repo / ".kdev" / "ledger", newest=LEDGER_WINDOW)
     now = now or _dt.datetime.now(_dt.timezone.utc)
 
-    def covers(r: dict) -> bool:
-        k = r.get("kernels", {})
-        return (r.get("passed") and r.get("kind") == "suite" and r.get("source_hash") == src
-                and r.get("suite", {}).get("name") in cfg.required_suites
-                and all(k.get(n, {}).get("passed") for n in cfg.required_kernels))
-
-    good = [r for r in records if covers(r)]
+    good = [r for r in records if _covers(r, src, cfg)]
     missing_suites = [s for s in cfg.required_suites if not any(r["suite"]["name"] == s for r in good)]
     if missing_suites and not good:
         n_src = sum(r.get("source_hash") == src for r in records)
@@ -303,6 +305,52 @@ def probe_gpus(nvml, headroom_gib: float, require_gpu: bool) -> list[Probe]:
     return probes
 
 
+# ---------------------------------------------------------------------------------------- every GPU
+def probe_fleet(repo: Path, cfg: DeployConfig, gpus: list, allow_mixed: bool, ledger: Path | None = None) -> list[Probe]:
+    """With several GPUs (kdev/fleet.py): are they alike, and has each, by its UUID, a passing verify of this build (its
+    sources and its library's bytes) and no fault (uncorrected ECC errors, a row remap pending or failed, clocks held
+    back by heat or a hardware slowdown)?"""
+    import hashlib
+
+    from kdev import build as kbuild
+    from kdev import fleet
+    from kdev.ledger import read_records
+
+    src = kbuild.source_hash(repo / "kernels")
+    lib, info, problem = library_info(repo)
+    lib_sha = hashlib.sha256(lib.read_bytes()).hexdigest() if info is not None else None
+    records = read_records(ledger or repo / ".kdev" / "ledger", newest=LEDGER_WINDOW)
+    differ = fleet.mixed(gpus)
+    if not differ:
+        probes = [Probe("gpus alike", PASS, f"{len(gpus)} x {gpus[0].name}, driver {gpus[0].driver}")]
+    elif allow_mixed:
+        probes = [Probe("gpus alike", WARN, "; ".join(differ) + " (--allow-mixed)")]
+    else:
+        probes = [Probe("gpus alike", FAIL, "; ".join(differ) + " (--allow-mixed deploys anyway)")]
+    for g in gpus:
+        mine = [r for r in records if fleet.same_uuid((r.get("gpu") or {}).get("uuid"), g.uuid)]
+        passing = [r for r in mine if _covers(r, src, cfg)]
+        problems = []
+        if lib_sha is None:
+            problems.append(problem)
+        elif not any(r.get("library_sha256") == lib_sha for r in passing):
+            if passing:
+                other = passing[-1].get("library_sha256") or "?"
+                problems.append(f"its passing verify ran library {other[:12]}, this build's is {lib_sha[:12]}")
+            elif mine and mine[-1].get("source_hash") == src and not mine[-1].get("passed"):
+                why = (mine[-1].get("failures") or [{}])[0].get("reason") or "failed"
+                problems.append(f"its last verify of this build failed: {why}")
+            else:
+                problems.append(f"no passing verify of this build on it ('kdev verify --gpus {g.position}')")
+        problems += g.health_problems()
+        ecc = {"on": "ECC on", "off": "ECC off (the card reports no ECC protection)", None: "no ECC mode reported"}[
+            g.ecc_mode]
+        details = {"gpu": {k: v for k, v in g.__dict__.items()}, "library_sha256": lib_sha, "rows": len(mine)}
+        tail = "; ".join(problems) if problems else f"verified with this build; {ecc}"
+        probes.append(Probe(f"gpu {g.uuid[:12]}", FAIL if problems else PASS, f"{g.label}: {tail}", details))
+    return probes
+
+
 # ------------------------------------------------------------------------------------------ toolchain
 def probe_toolchain(repo: Path) -> Probe:
     from kdev import build as kbuild
@@ -322,7 +370,8 @@ def probe_toolchain(repo: Path) -> Probe:
 
 
 def run_checks(repo: Path, target: str | None = None, require_gpu: bool = False, nvml=None,
-               ledger: Path | None = None) -> tuple[list[Probe], DeployConfig]:
+               ledger: Path | None = None, gpus: list | None = None,
+               allow_mixed: bool = False) -> tuple[list[Probe], DeployConfig]:
     from kdev import gpu
 
     import os
@@ -335,4 +384,6 @@ def run_checks(repo: Path, target: str | None = None, require_gpu: bool = False,
     local_archs = sorted({p.details["arch"] for p in gpu_probes if p.details.get("arch", "?") != "?"})
     probes = [probe_git(repo), probe_build(repo, cfg.target_arch, local_archs), probe_vectors(repo, cfg.required_suites),
               probe_ledger(repo, cfg, ledger), *gpu_probes, probe_toolchain(repo)]
+    if gpus:
+        probes += probe_fleet(repo, cfg, gpus, allow_mixed, ledger)
     return probes, cfg

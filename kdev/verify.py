@@ -15,6 +15,7 @@ kdev/tokens.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -280,6 +281,8 @@ def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: a
     return {
         "schema_version": ledger.LEDGER_SCHEMA, "timestamp": ledger.now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
+        # the library's bytes: deploy-check --gpus matches each GPU's row to the build it will deploy
+        "library_sha256": hashlib.sha256(Path(lib.path).read_bytes()).hexdigest(),
         "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
         # the builds of the KERNEL@REF kernels (another build's, beside this library's)
         "libraries": {k: {"library": str(o.path), "source_hash": o.build_info.get("source_hash")}

@@ -38,6 +38,50 @@ PlanGpuOpt = typer.Option(
     "flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts and workspace, "
     "run here.")
 
+# verify, bench and deploy-check: the GPUs of the host (kdev/fleet.py)
+GpusOpt = typer.Option(
+    None, "--gpus", help="all, or positions (0,2,5: torch's cuda:N, CUDA_VISIBLE_DEVICES applied) or UUIDs of the GPUs "
+    "to run on, one worker process each, at once (default: every GPU this process sees; one GPU runs here).")
+WorkerTimeoutOpt = typer.Option(3600.0, "--worker-timeout", min=1.0,
+                                help="With several GPUs: a worker still running after this many seconds fails.")
+
+
+def worker_argv(ctx: typer.Context, drop: tuple = ("gpus", "worker_timeout", "json_out", "out_json")) -> list[str]:
+    """The running command's options as a worker takes them: every option given another value than its default, but
+    those the parent keeps (the GPUs, the timeout, the output)."""
+    argv = []
+    for p in ctx.command.params:
+        if getattr(p, "param_type_name", None) != "option" or p.name in drop:
+            continue
+        value = ctx.params.get(p.name)
+        if value is None or value == p.default or (p.is_flag and not value):
+            continue
+        flag = max(p.opts, key=len)
+        if p.is_flag:
+            argv.append(flag)
+        else:
+            argv += [x for v in (value if p.multiple else [value]) for x in (flag, str(v))]
+    return argv
+
+
+def fan_out_progress():
+    """One line per GPU on stderr, updated as its worker runs and ends."""
+    from rich.live import Live
+    from rich.text import Text
+
+    lines: dict = {}
+
+    def render():
+        return Text("\n".join(f"{label}: {state}" for label, state in lines.values()))
+
+    live = Live(render(), console=report.stderr, refresh_per_second=4, transient=False)
+
+    def update(gpu, state: str):
+        lines[gpu.uuid] = (gpu.label, state)
+        live.update(render())
+
+    return live, update
+
 
 def command(fn):
     """Turn KdevError into one line on stderr and its exit code; never a traceback for bad input. With --json, an error

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from kdev import report
-from kdev.cli import AxisOpt, JsonOpt, PlanGpuOpt, ShapeOpt, app, check_device, command, kernel_list, split_archs
-from kdev.cli import write_json_file
+from kdev.cli import AxisOpt, GpusOpt, JsonOpt, PlanGpuOpt, ShapeOpt, WorkerTimeoutOpt, app, check_device, command
+from kdev.cli import fan_out_progress, kernel_list, split_archs, worker_argv, write_json_file
 from kdev.cli import views
 from kdev.errors import EXIT_CHECK_FAILED, BadInput
 
@@ -93,6 +93,7 @@ def build_cmd(
 @app.command("verify")
 @command
 def verify_cmd(
+    ctx: typer.Context,
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
     kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
@@ -109,17 +110,31 @@ def verify_cmd(
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
                                            "build for this GPU)."),
     plan_gpu_name: Optional[str] = PlanGpuOpt,
+    gpus: Optional[str] = GpusOpt,
+    worker_timeout: float = WorkerTimeoutOpt,
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
 ):
     """Compare the verify kernels with golden vectors (or fuzz cases): elementwise, token-exact, repeatable."""
     import secrets
 
-    from kdev import abi, vectors, verify
+    from kdev import abi, fleet, vectors, verify
     from kdev.plan import plan_target
 
     kernels = kernel_list(kernel, (*abi.VERIFY_KERNELS, *verify.TREE_KERNELS), refs=True)
     plan_gpu = plan_target(plan_gpu_name) if plan_gpu_name else None
+    if gpus is not None and not fuzz:
+        verify.open_checked_suite(suite, allow_stale)  # a bad suite: exit 2 before the GPUs are asked for
+    several = fleet.plan(gpus)
+    if several is not None:
+        live, update = fan_out_progress()
+        with live:
+            doc = fleet.verify(several, worker_argv(ctx), worker_timeout, update)
+        write_json_file(out_json, doc)
+        report.emit_json(doc) if json_out else views.show_fleet(doc, "verify")
+        if not doc["passed"]:
+            raise typer.Exit(EXIT_CHECK_FAILED)
+        return
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
         from kdev import gpu
@@ -129,12 +144,12 @@ def verify_cmd(
         report.info(f"fuzz: {fuzz} cases, seed {seed} (replay with --fuzz {fuzz} --seed {seed})")
         with report.progress("fuzz", fuzz) as advance:
             run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance,
-                                  plan_gpu=plan_gpu)
+                                  write_ledger=not fleet.in_worker(), plan_gpu=plan_gpu)
     else:
         n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
         with report.progress(f"verify {suite}", n) as advance:
             run = verify.run_suite(suite, kernels, repeat, case, allow_stale, library, report.info, report.warn, advance,
-                                   plan_gpu=plan_gpu)
+                                   write_ledger=not fleet.in_worker(), plan_gpu=plan_gpu)
     doc = {**run.record, "results": [r.to_dict() for r in run.results], "ledger": str(run.ledger_path),
            "saved_failures": run.saved_failures}
     write_json_file(out_json, doc)
@@ -150,6 +165,7 @@ def verify_cmd(
 @app.command("bench")
 @command
 def bench_cmd(
+    ctx: typer.Context,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in configs/bench.yaml: smoke (the "
                                         "default), targets, small-trees, ddtree, tree-kernels, grid."),
     shape: Optional[list[str]] = ShapeOpt,
@@ -181,11 +197,27 @@ def bench_cmd(
     plan_gpu_name: Optional[str] = PlanGpuOpt,
     graph: bool = typer.Option(False, "--graph", help="Time the replay of a CUDA graph holding one call (as a server "
                                "runs decode) instead of the eager launches."),
+    gpus: Optional[str] = GpusOpt,
+    worker_timeout: float = WorkerTimeoutOpt,
     json_out: bool = JsonOpt,
 ):
     """Time the verify kernels and peers at DDTree shapes against this GPU's ceilings (and, with the
     tree-kernels sweep, the DDTree build, accept and compaction kernels)."""
+    from kdev import fleet
     from kdev.bench import command, render
+
+    several = None if from_file is not None else fleet.plan(gpus)
+    if several is not None:
+        if baseline or csv_out or plot_out:
+            raise typer.BadParameter("--baseline, --csv and --plot take one GPU: name it (--gpus N)", param_hint="--gpus")
+        live, update = fan_out_progress()
+        with live:
+            doc = fleet.bench(several, worker_argv(ctx), worker_timeout, update)
+        write_json_file(out_json, doc)
+        report.emit_json(doc) if json_out else views.show_fleet(doc, "bench")
+        if not doc["passed"]:
+            raise typer.Exit(EXIT_CHECK_FAILED)
+        return
 
     opts = command.BenchOptions(sweep, shape, axis, backend, peer, ceilings, loop, baseline, normalize_by, from_file,
                                 csv_out, plot_out, plot_metric, out_json, seed, config, library, plan_gpu_name, graph)

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from kdev import report
-from kdev.cli import AxisOpt, JsonOpt, ShapeOpt, app, command, split_archs, views
+from kdev.cli import AxisOpt, GpusOpt, JsonOpt, ShapeOpt, app, command, split_archs, views
 from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -283,10 +283,14 @@ def deploy_check_cmd(
     target: Optional[str] = typer.Option(None, "--target", help="Deploy target arch (default: configs/deploy.yaml)."),
     strict: bool = typer.Option(False, "--strict", help="Warnings fail too."),
     require_gpu: bool = typer.Option(False, "--require-gpu", help="No GPU (or no NVML) fails instead of warning."),
+    gpus: Optional[str] = GpusOpt,
+    allow_mixed: bool = typer.Option(False, "--allow-mixed", help="With several GPUs: models or drivers that differ "
+                                     "warn instead of failing."),
     json_out: bool = JsonOpt,
 ):
-    """Git, build provenance, vectors, verification record and GPU state before a deploy."""
-    from kdev import deploy, project
+    """Git, build provenance, vectors, verification record and GPU state before a deploy; with several GPUs, each by
+    its UUID: a passing verify of this build, and no fault."""
+    from kdev import deploy, fleet, project
 
     if target is not None and not (target.startswith("sm_") and target[3:].rstrip("a").isdigit()):
         raise typer.BadParameter(f"{target!r} is not an arch like sm_120", param_hint="--target")
@@ -294,7 +298,7 @@ def deploy_check_cmd(
         repo = project.require_root()
     elif not project.is_checkout(repo):
         raise BadInput(f"--repo {repo}: not a kdev checkout (no {project.MARKERS[0]} and {project.MARKERS[1]})")
-    probes, cfg = deploy.run_checks(repo, target, require_gpu)
+    probes, cfg = deploy.run_checks(repo, target, require_gpu, gpus=fleet.plan(gpus), allow_mixed=allow_mixed)
     failed = [p for p in probes if p.status == deploy.FAIL or (strict and p.status == deploy.WARN)]
     if json_out:
         report.emit_json({"repo": str(repo.resolve()), "target_arch": cfg.target_arch, "strict": strict,

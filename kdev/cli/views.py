@@ -285,6 +285,33 @@ def show_field_report(doc: dict, out) -> None:
     report.show(f"report written to {out}: send this one file; `kdev plan --project --calibrate {out}` reads it")
 
 
+def show_fleet(doc: dict, stage: str) -> None:
+    """verify or bench on several GPUs: a row per GPU; for bench, each card's medians and the spread between cards."""
+    rows = []
+    for r in doc["gpus"]:
+        g, res = r["gpu"], r["result"] or {}
+        ecc = {"on": "ECC on", "off": "ECC off", None: "no ECC mode"}[g["ecc_mode"]]
+        what = ""
+        if stage == "verify" and res:
+            kernels = res.get("kernels", {})
+            what = f"{sum(k['checks'] for k in kernels.values())} checks, {sum(k['failed'] for k in kernels.values())} failed"
+        elif stage == "bench" and res:
+            what = f"{sum(1 for x in res.get('results', []) if x.get('timing'))} timed"
+        rows.append([g["position"], g["name"], g["uuid"], f"{g['driver']}, {ecc}", pass_fail(r["passed"]), what,
+                     f"{r['seconds']:.0f} s", r["reason"] or "-"])
+    report.show(report.table(f"kdev {stage} on {len(rows)} GPUs", ["GPU", "model", "UUID", "driver", "result", "",
+                                                                   "time", "why"], rows,
+                             {"left": ("model", "UUID", "driver", "why")}))
+    if stage == "bench" and doc.get("spread"):
+        order = [r["gpu"]["uuid"] for r in doc["gpus"]]
+        rows = [[x["shape"], x["backend"], *(f"{x['median_us'][u]:,.1f}" if u in x["median_us"] else "-" for u in order),
+                 f"{100 * x['spread']:.1f}%", ", ".join(x["slow"]) or "-"] for x in doc["spread"]]
+        report.show(report.table(
+            f"median µs per card; slow: more than {100 * doc['slow_above']:.0f}% above the cards' median",
+            ["shape", "backend", *(f"GPU {r['gpu']['position']}" for r in doc["gpus"]), "spread", "slow"], rows,
+            {"left": ("shape", "backend", "slow")}))
+
+
 # ---------------------------------------------------------------------------------------------------- sass
 def show_loops(rows: list[dict], lib, kernel: str) -> None:
     """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean."""
