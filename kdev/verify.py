@@ -282,7 +282,7 @@ def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: a
         "schema_version": ledger.LEDGER_SCHEMA, "timestamp": ledger.now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
         # the library's bytes: deploy-check --gpus matches each GPU's row to the build it will deploy
-        "library_sha256": hashlib.sha256(Path(lib.path).read_bytes()).hexdigest(),
+        "library_sha256": hashlib.sha256(Path(lib.path).read_bytes()).hexdigest() if Path(lib.path).is_file() else None,
         "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
         # the builds of the KERNEL@REF kernels (another build's, beside this library's)
         "libraries": {k: {"library": str(o.path), "source_hash": o.build_info.get("source_hash")}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kdev import report
-from kdev.bench.verdicts import speedups
+from kdev.bench.verdicts import SKEW_BOUND, speedups
 
 
 def verdict_mark(verdict: str):
@@ -119,6 +119,11 @@ def show_outcome(got, o, json_out: bool) -> int:
         report.show(results_table(doc, verdicts, o.normalize_by))
         for line in target_lines(doc.get("targets") or [], doc["provenance"]["gpu"]["name"]):
             report.show(line)
+        for k in doc.get("skewed") or []:
+            alone = " + ".join(f"{a['count']} x {a['median_us']:,.1f}" for a in k["alone"])
+            line = (f"{k['shape']} / {k['backend']}: {k['batch_us']:,.1f} µs, its requests alone {alone} = "
+                    f"{k['alone_sum_us']:,.1f} µs ({k['ratio']:.2f}x)")
+            report.show(line) if k["within"] else report.warn(line + f": more than {100 * SKEW_BOUND:.0f}% over")
         for name, other in (doc["provenance"].get("libraries") or {}).items():  # KERNEL@REF: which build ran
             report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
         for r in doc["results"]:

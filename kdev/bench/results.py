@@ -84,7 +84,7 @@ def write_csv(path: Path, results: list[dict]) -> None:
         t = r["timing"] or {}
         med = t.get("median_us")
         pct = 100 * r["floor_us"] / med if med and r["floor_us"] else ""
-        w.writerow([r["shape"], *(r["axes"][a] for a in AXES), r["backend"], med or "", t.get("p10_us", ""),
+        w.writerow([r["shape"], *(r["axes"].get(a, "") for a in AXES), r["backend"], med or "", t.get("p10_us", ""),
                     t.get("p90_us", ""), t.get("samples", ""), t.get("stop", ""), r["floor_us"] or "", pct,
                     r["bound"], r["flops"], r["bytes"], r["agrees"]])
     atomic_write_bytes(Path(path), buf.getvalue().encode())

@@ -139,6 +139,10 @@ def _tree_inputs(shape: Shape, seed: int, device):
 
     from kdev import ddtree
 
+    if shape.requests:
+        from kdev.errors import BadInput
+
+        raise BadInput(f"{shape.name}: the tree kernels take uniform batches (no requests/budgets)")
     rng = np.random.default_rng(seed)
     B, N, L, ps = shape.batch, shape.budget, shape.prefix, shape.page_size
     dists = [ddtree.synthetic_drafter(rng, 15, N, 32000) for _ in range(B)]

@@ -22,18 +22,23 @@ def make_inputs(shape: Shape, seed: int, device):
     from kdev.config import CaseSpec, TreeSpec, load_model
 
     rng = np.random.default_rng(seed)
-    if shape.tree == "ddtree":
-        ts = TreeSpec("ddtree", budget=shape.budget, depth=15, topk=shape.budget, vocab=32000)
-    else:
-        ts = TreeSpec(shape.tree, nodes=shape.T)
-    spec = CaseSpec("bench", (shape.prefix,) * shape.batch, ts, shape.heads, shape.page_size, seed, "kimi-k2.6",
-                    None)
-    trees, _ = cases.make_trees(spec, rng)
+
+    def tree_spec(budget: int) -> TreeSpec:
+        if shape.tree == "ddtree":
+            return TreeSpec("ddtree", budget=budget, depth=15, topk=budget, vocab=32000)
+        return TreeSpec(shape.tree, nodes=budget + 1)
+
+    trees = []
+    for L, budget in zip(shape.prefix_lens, shape.budget_list):  # a skewed batch: each request its own tree size
+        one = CaseSpec("bench", (L,), tree_spec(budget), shape.heads, shape.page_size, seed, "kimi-k2.6", None)
+        trees += cases.make_trees(one, rng)[0]
+    spec = CaseSpec("bench", shape.prefix_lens, tree_spec(shape.budget), shape.heads, shape.page_size, seed,
+                    "kimi-k2.6", None)
     sizes = [t.size for t in trees]
     g = torch.Generator(device=device).manual_seed(seed)
     n_q = sum(sizes)
     q = torch.randn(n_q, shape.heads, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
-    pages = [-(-(shape.prefix + t) // shape.page_size) for t in sizes]
+    pages = [-(-(L + t) // shape.page_size) for L, t in zip(spec.prefix_lens, sizes)]
     num_pages = sum(pages)
     kv = torch.randn(num_pages, shape.page_size, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     perm = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
@@ -46,7 +51,7 @@ def make_inputs(shape: Shape, seed: int, device):
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=device)
     x = abi.VerifyInputs(q, kv, page_table, torch.tensor(spec.prefix_lens, dtype=torch.int32, device=device), indptr,
                          mask, load_model("kimi-k2.6").softmax_scale, max_qlen=max(sizes),
-                         max_kv_len=max(shape.prefix + t for t in sizes))
+                         max_kv_len=max(L + t for L, t in zip(spec.prefix_lens, sizes)))
     return x, sizes, list(spec.prefix_lens)
 
 

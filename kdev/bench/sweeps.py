@@ -11,32 +11,81 @@ from kdev import cabi
 from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, TREE_KINDS, Tolerance, _Reader, load_yaml
 from kdev.errors import BadInput
 
-AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree")
+AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets")
+STRING_AXES = ("tree", "requests", "budgets")
 ATTENTION_BACKENDS = ("flash", "flash-portable", "naive", "triton", "torch-eager", "torch-sdpa")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 # a backend's lse (fp32, natural log) against the naive oracle's, where the backend returns one
 PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)
-DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree"}
+DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree",
+                "requests": "", "budgets": ""}
 
 
 # ---------------------------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class Shape:
+    """One batch. A uniform one: `batch` requests of `prefix` tokens and a tree of `budget` nodes. A skewed one, as an
+    engine makes them: `requests` COUNTxPREFIX groups joined by + (1x131072+15x2048) and `budgets` the trees' budgets
+    (16/64/128) dealt to the requests in turn; batch, prefix and budget are then the count and the largest of each
+    (the bounds a launch is planned for)."""
+
     batch: int
     prefix: int
     budget: int
     heads: int
     page_size: int = 64
     tree: str = "ddtree"
+    requests: str = ""
+    budgets: str = ""
 
     @property
     def name(self) -> str:
         t = "" if self.tree == "ddtree" else f"-{self.tree}"
-        return f"B{self.batch}-L{self.prefix}-N{self.budget}-H{self.heads}-p{self.page_size}{t}"
+        skew = f"-R{self.requests}-N{self.budgets or self.budget}" if self.requests else ""
+        return f"B{self.batch}-L{self.prefix}-N{self.budget}-H{self.heads}-p{self.page_size}{t}{skew}"
 
     @property
     def T(self) -> int:
         return self.budget + 1
+
+    @property
+    def prefix_lens(self) -> tuple:
+        """Each request's prefix, in batch order."""
+        return parse_requests(self.requests) if self.requests else (self.prefix,) * self.batch
+
+    @property
+    def budget_list(self) -> tuple:
+        """Each request's tree budget, in batch order."""
+        every = parse_budgets(self.budgets) if self.budgets else (self.budget,)
+        return tuple(every[i % len(every)] for i in range(self.batch))
+
+    def alone(self) -> list["Shape"]:
+        """The distinct requests of a skewed batch, each as a batch of one (what the batch is judged against)."""
+        pairs = dict.fromkeys(zip(self.prefix_lens, self.budget_list))
+        return [Shape(1, L, n, self.heads, self.page_size, self.tree) for L, n in pairs]
+
+    def count(self, prefix: int, budget: int) -> int:
+        return sum(1 for x in zip(self.prefix_lens, self.budget_list) if x == (prefix, budget))
+
+
+def parse_requests(text: str) -> tuple:
+    """'1x131072+15x2048' -> (131072, 2048, ..., 2048)."""
+    out = []
+    for group in text.replace(" ", "").split("+"):
+        count, sep, prefix = group.partition("x")
+        if not (sep and count.isdigit() and prefix.isdigit() and int(count) > 0):
+            raise BadInput(f"requests {text!r}: {group!r} is not COUNTxPREFIX (e.g. 1x131072+15x2048)")
+        out += [int(prefix)] * int(count)
+    return tuple(out)
+
+
+def parse_budgets(text: str) -> tuple:
+    """'16/64/128' -> (16, 64, 128)."""
+    try:
+        out = tuple(int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise BadInput(f"budgets {text!r}: budgets joined by / (e.g. 16/64/128)") from None
+    return out
 
 
 def flops_bytes(tree_sizes: list[int], prefix_lens: list[int], heads: int) -> tuple[float, float]:
@@ -76,17 +125,28 @@ def _shape(r: _Reader, base: dict) -> tuple[Shape, float | None]:
     vals = dict(base)
     for k in AXES:
         if k in r.data:
-            vals[k] = r.get(k, str if k == "tree" else int)
+            vals[k] = str(r.get(k, (str, int))) if k in STRING_AXES else r.get(k, int)
     target = r.get("target_us", float, None, lambda v: v > 0, "must be > 0")
     r.done()
     return _make_shape(vals, f"{r.file}: {r.where}"), target
 
 
 def _make_shape(vals: dict, where: str) -> Shape:
+    vals = {**DEFAULT_AXES, **vals}
+    if vals["requests"]:  # a skewed batch: its bounds from its requests
+        try:
+            lens = parse_requests(vals["requests"])
+            budgets = parse_budgets(vals["budgets"]) if vals["budgets"] else (vals["budget"],)
+        except BadInput as e:
+            raise BadInput(f"{where}: {e}") from None
+        vals.update(batch=len(lens), prefix=max(lens), budget=max(budgets))
+    elif vals["budgets"]:
+        raise BadInput(f"{where}: budgets {vals['budgets']!r} takes requests (a skewed batch)")
     s = Shape(**{k: vals[k] for k in AXES})
-    problem = cabi.shape_problem(s.batch, s.prefix, s.budget, s.heads, s.page_size)
-    if problem:
-        raise BadInput(f"{where}: shape {s.name} out of range: {problem}")
+    for L, n in zip(s.prefix_lens, s.budget_list) if s.requests else [(s.prefix, s.budget)]:
+        problem = cabi.shape_problem(s.batch, L, n, s.heads, s.page_size)
+        if problem:
+            raise BadInput(f"{where}: shape {s.name} out of range: {problem}")
     if s.tree not in TREE_KINDS:
         raise BadInput(f"{where}: shape {s.name}: tree {s.tree!r} is not one of {'/'.join(TREE_KINDS)}")
     return s
@@ -194,7 +254,7 @@ def parse_assignments(items: list[str], what: str) -> dict:
             if k in out:  # the first value would be dropped without a word
                 raise BadInput(f"{what}: axis {k!r} given twice")
             try:
-                out[k] = [x.strip() if k == "tree" else int(x) for x in v.split(",") if x.strip()]
+                out[k] = [x.strip() if k in STRING_AXES else int(x) for x in v.split(",") if x.strip()]
             except ValueError:
                 raise BadInput(f"{what}: {part!r}: values must be integers") from None
             if not out[k]:  # an axis without values would leave no shape to run
@@ -224,4 +284,6 @@ def expand(cfg: BenchConfig, sweep: str | None, shape: list[str] | None, overrid
     ov = parse_assignments(overrides or [], "-a")
     if ov:
         rows = [{**r, **combo} for r in rows for combo in _product(ov)]
-    return list(dict.fromkeys(_make_shape(r, "--shape") for r in rows))
+    shapes = [_make_shape(r, "--shape") for r in rows]
+    # a skewed batch is judged against its requests timed alone: they run in the same sweep, after it
+    return list(dict.fromkeys([*shapes, *(a for s in shapes if s.requests for a in s.alone())]))

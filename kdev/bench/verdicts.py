@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kdev.bench.sweeps import BenchConfig
+from kdev.bench.sweeps import AXES, BenchConfig, Shape
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -93,3 +93,29 @@ def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float 
         verdict = "SLOW" if change > thr else "FAST" if change < -thr else "SAME"
         out.append({**entry, "change": change, "threshold": thr, "verdict": verdict})
     return out
+
+
+# How much slower a skewed batch may be than its requests timed alone, summed: past this it is reported as a finding (a
+# plan keyed on the longest prefix splits the short requests as if they were long).
+SKEW_BOUND = 0.10
+
+
+def judge_skew(results: list[dict]) -> list[dict]:
+    """Per skewed batch and backend: its median against the sum of its requests' medians timed alone in the same run
+    (each distinct request once, times how many the batch holds). None where a request alone was not timed."""
+    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    rows = []
+    for r in results:
+        axes = r.get("axes") or {}
+        if not axes.get("requests") or (r["shape"], r["backend"]) not in timed:
+            continue
+        shape = Shape(**{k: axes[k] for k in AXES if k in axes})
+        parts = [(a, shape.count(a.prefix, a.budget), timed.get((a.name, r["backend"]))) for a in shape.alone()]
+        if any(t is None for _, _, t in parts):
+            continue
+        alone = sum(n * t for _, n, t in parts)
+        batch = timed[(r["shape"], r["backend"])]
+        rows.append({"shape": r["shape"], "backend": r["backend"], "batch_us": batch, "alone_sum_us": alone,
+                     "ratio": batch / alone, "within": batch <= alone * (1 + SKEW_BOUND),
+                     "alone": [{"shape": a.name, "count": n, "median_us": t} for a, n, t in parts]})
+    return rows
