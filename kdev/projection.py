@@ -1,29 +1,14 @@
 """kdev plan --project: how long the flash call will take on a GPU that is not here, from the SASS of that arch's build,
-the launch plan and the GPU's rates, with constants fitted on GPUs this project has timed. docs/projection.md says
-how the model works, what it ignores and how far it was off.
-
-The model, per kernel of the call (the full-tile kernel, the narrow kernel, the split-KV combine):
-- one KV tile of one CTA costs, on each pipe of an SM, cycles read off the main loop's SASS (one iteration is one
-  32-token tile for all 8 warps):
-    tensor   HMMAs x 4,096 FLOP over the tensor rate per SM and clock (the mma.sync ceiling over SMs x its clock),
-    smem     shared-memory wavefronts (the hot path's LDSM/LDS/STS/LDGSTS, plus the tile's bytes / 128 where a tensor
-             copy writes it) over the shared-memory bytes per clock / 128,
-    issue    hot-path instructions over the warp instructions an SM issues per clock,
-    l2       the tile's 36,864 bytes over the L2 -> SM bytes per clock,
-    dram     the tile's share of the bytes that come from device memory, over the memory's bytes per clock per SM;
-  the tile takes the largest of them over `efficiency` (how much of the limiting pipe the loop keeps busy);
-- a CTA takes its KV tiles plus `cta_cycles` (its Q load, its output or partial store, its ramp);
-- the launch's end is the planner's own schedule (kdtree_flash_launch_time: full-tile waves, the narrow CTAs on the SMs
-  the last wave leaves, then on every SM) with those CTA times in microseconds; a narrow CTA that starts after the
-  full-tile kernel reads its KV from device memory (its dram pipe at every tile);
-- the combine reads the split partials and writes the output at the memory's rate; `call_us` is the rest (launches).
-Three constants per GPU family (efficiency, cta_cycles, call_us), fitted by least relative squares on the points
-configs/projection.yaml names; never one per shape.
-
-KV traffic by level: every row tile's CTAs read their request's KV range from L2 (l2_read_bytes); device memory serves
-it once where the row tiles of a split run together and the KV fits the L2, and as often as it is read where they do not
-(dram low / high). A cluster of c CTAs of one request and split sharing each KV tile (TMA multicast, or distributed
-shared memory) divides both by c: `clusters` shows what that would buy.
+the launch plan the library makes for it and the GPU's rates (configs/gpus.yaml), with four constants per GPU family
+fitted on calls this project has timed (configs/projection.yaml). docs/projection.md states the model, what it ignores
+and how far it was off; in short:
+- a KV tile of one CTA costs, on each pipe of its SM, cycles priced from the kernel's main loop (tensor: HMMAs, smem:
+  wavefronts and a tensor copy's bytes, issue: instructions, l2 and dram: the tile's bytes at their rates); it takes
+  the largest compute pipe over `efficiency`, or the slower memory pipe;
+- a CTA takes its tiles and `cta_cycles`; a narrow CTA after the full-tile kernel reads from memory, at
+  `memory_tile_cycles` per tile at least;
+- the launch ends when the planner's own schedule says (kdtree_flash_launch_time); the combine reads the partials and
+  writes the output; `call_us` is the rest.
 """
 
 from __future__ import annotations
@@ -192,9 +177,10 @@ def tile_cycles(loop: Loop, rates: Rates, dram_share: float) -> dict[str, float]
     }
 
 
-def _bound(cycles: dict[str, float]) -> str:
-    pipe = max(cycles, key=cycles.get)
-    return {"l2": "memory (L2)", "dram": "memory (DRAM)", "issue": "issue"}.get(pipe, pipe)
+def _bound(cycles: dict[str, float], efficiency: float) -> str:
+    """The pipe a tile waits on: the compute pipes at the loop's efficiency, the memory pipes at their rates."""
+    pipe = max(cycles, key=lambda p: cycles[p] / (efficiency if p in COMPUTE_PIPES else 1.0))
+    return {"l2": "memory (L2)", "dram": "memory (DRAM)"}.get(pipe, pipe)
 
 
 @dataclass
@@ -254,7 +240,7 @@ def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, g
             cyc["dram"] = max(cyc["dram"], k.memory_tile_cycles)
         per_tile = max(max(cyc[p] for p in COMPUTE_PIPES) / k.efficiency, *(cyc[p] for p in MEMORY_PIPES))
         return KernelProjection(name, ctas, tiles, {n: round(c, 1) for n, c in cyc.items()},
-                                _bound(cyc) if tiles * per_tile >= k.cta_cycles else "latency",
+                                _bound(cyc, k.efficiency) if tiles * per_tile >= k.cta_cycles else "latency",
                                 (tiles * per_tile + k.cta_cycles) / clock)
 
     kernels = [kernel(p.full_kernel, p.full_ctas, p.splits, False)] if p.full_ctas else []
