@@ -19,8 +19,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kdev import gpu as kgpu
 from kdev.errors import BadInput, EnvironmentMissing
@@ -132,10 +134,12 @@ class Devices:
     def state(self, uuid: str, position: int) -> GpuState:
         return nvml_state(self.nvml, uuid, position)
 
-    def start(self, argv: list[str], uuid: str) -> subprocess.Popen:
+    def start(self, argv: list[str], uuid: str, stdout, stderr) -> subprocess.Popen:
+        """The worker, its output into the files given (a pipe would fill and stop a worker that prints a large
+        document while the parent waits for the others)."""
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=uuid, **{WORKER_ENV: "1"})
-        return subprocess.Popen([sys.executable, "-m", "kdev", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", "kdev", *argv], stdout=stdout, stderr=stderr, env=env,
+                                start_new_session=True)
 
 
 def select(devices, spec: str | None) -> list[GpuState]:
@@ -167,6 +171,16 @@ def in_worker() -> bool:
     return os.environ.get(WORKER_ENV) == "1"
 
 
+def failures_root() -> Path | None:
+    """Where a fuzz run keeps its failing cases: a worker in a folder of its GPU's own (vectors/fleet/UUID), so that
+    workers failing at once never write one suite's manifest together; None elsewhere (the usual place)."""
+    if not in_worker():
+        return None
+    from kdev import vectors
+
+    return vectors.default_vectors_root() / "fleet" / os.environ.get("CUDA_VISIBLE_DEVICES", "unknown")
+
+
 # --------------------------------------------------------------------------------------------- fan-out
 @dataclass
 class WorkerResult:
@@ -195,10 +209,29 @@ def _kill(proc) -> None:
 def fan_out(devices, gpus: list[GpuState], argv: list[str], timeout_s: float,
             on_update=lambda gpu, state: None, poll_s: float = 0.2) -> list[WorkerResult]:
     """Runs `kdev ARGV` on every GPU at once and gathers what each gave, in the order of `gpus`."""
-    procs = {g.uuid: (g, devices.start(argv, g.uuid), time.monotonic()) for g in gpus}
+    with tempfile.TemporaryDirectory(prefix="kdev-fleet-") as tmp:
+        files = {g.uuid: (open(Path(tmp) / f"{g.position}.out", "w+"), open(Path(tmp) / f"{g.position}.err", "w+"))
+                 for g in gpus}
+        try:
+            return _gather(devices, gpus, argv, timeout_s, on_update, poll_s, files)
+        finally:
+            for out, err in files.values():
+                out.close()
+                err.close()
+
+
+def _gather(devices, gpus, argv, timeout_s, on_update, poll_s, files) -> list[WorkerResult]:
+    procs = {g.uuid: (g, devices.start(argv, g.uuid, *files[g.uuid]), time.monotonic()) for g in gpus}
     for g in gpus:
         on_update(g, "running")
     done: dict[str, WorkerResult] = {}
+
+    def read(uuid: str) -> tuple[str, str]:
+        out, err = files[uuid]
+        out.seek(0)
+        err.seek(0)
+        return out.read(), err.read()
+
     try:
         while len(done) < len(procs):
             for uuid, (g, p, t0) in procs.items():
@@ -210,17 +243,17 @@ def fan_out(devices, gpus: list[GpuState], argv: list[str], timeout_s: float,
                 if p.poll() is None:
                     _kill(p)
                     p.wait()
-                    out, err = p.communicate()
                     done[uuid] = WorkerResult(g, None, None, f"no answer in {timeout_s:g} s: killed", elapsed)
                 else:
-                    out, err = p.communicate()
-                    done[uuid] = _result(g, p.returncode, out, err, elapsed)
+                    done[uuid] = _result(g, p.returncode, *read(uuid), elapsed)
                 on_update(g, "passed" if done[uuid].passed else f"failed: {done[uuid].reason}")
-            time.sleep(poll_s)
+            if len(done) < len(procs):
+                time.sleep(poll_s)
     finally:
         for uuid, (g, p, _) in procs.items():
             if uuid not in done and p.poll() is None:
                 _kill(p)
+                p.wait()
     return [done[g.uuid] for g in gpus]
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -25,7 +26,7 @@ def verify_doc(uuid: str, passed: bool = True, lib_sha: str = LIB_SHA) -> dict:
             "kernels": {"naive": {"passed": passed, "checks": 12, "failed": 0 if passed else 1},
                         "flash": {"passed": True, "checks": 24, "failed": 0}},
             "passed": passed, "failures": [] if passed else [{"reason": "out: max abs 0.5"}],
-            "results": [{"case": "a"}], "ledger": None}
+            "results": [{"case": f"case-{i}", "note": "x" * 200} for i in range(2000)], "ledger": None}
 
 
 def bench_doc(us: float) -> dict:
@@ -50,22 +51,23 @@ class FakeDevices:
         return fleet.GpuState(position, uuid, self.names[position], "sm_90", 80.0, self.drivers[position], "on", 0,
                               {"correctable": 0, "uncorrectable": 0, "pending": 0, "failure": 0}, [])
 
-    def start(self, argv, uuid):
+    def start(self, argv, uuid, stdout, stderr):
         import subprocess
 
         self.started.append((argv, uuid))
         i = self.uuids().index(uuid)
         what = self.behaviours[i]
         doc = bench_doc(120.0 if what == "slow" else 100.0) if argv[0] == "bench" else verify_doc(uuid, what != "fail")
+        path = Path(stdout.name).with_suffix(".doc")  # the document is larger than an argument may be
+        path.write_text(json.dumps(doc))
+        show = f"import sys; sys.stdout.write(open({str(path)!r}).read())"
         code = {
-            "pass": f"print({json.dumps(json.dumps(doc))})", "slow": f"print({json.dumps(json.dumps(doc))})",
-            "fail": f"print({json.dumps(json.dumps(doc))}); raise SystemExit(1)",
+            "pass": show, "slow": show, "fail": show + "; raise SystemExit(1)",
             "die": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
             "oom": "import sys; sys.stderr.write('CUDA error: out of memory\\n'); raise SystemExit(1)",
             "hang": "import time; time.sleep(60)",
         }[what]
-        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        return subprocess.Popen([sys.executable, "-c", code], stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 @pytest.fixture
@@ -273,3 +275,11 @@ def test_the_fleet_docs_say_how_a_cluster_gathers_hosts():
 
     doc = (REPO_ROOT / "docs" / "fleet.md").read_text()
     assert "deploy-check --gpus all --json" in doc and "Slurm" in doc and "Ray" in doc
+
+
+def test_a_worker_keeps_its_failing_fuzz_cases_apart(monkeypatch):
+    monkeypatch.delenv(fleet.WORKER_ENV, raising=False)
+    assert fleet.failures_root() is None
+    monkeypatch.setenv(fleet.WORKER_ENV, "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")
+    assert fleet.failures_root().parts[-2:] == ("fleet", "GPU-1234")

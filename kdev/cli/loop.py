@@ -144,7 +144,8 @@ def verify_cmd(
         report.info(f"fuzz: {fuzz} cases, seed {seed} (replay with --fuzz {fuzz} --seed {seed})")
         with report.progress("fuzz", fuzz) as advance:
             run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance,
-                                  write_ledger=not fleet.in_worker(), plan_gpu=plan_gpu)
+                                  failures_root=fleet.failures_root(), write_ledger=not fleet.in_worker(),
+                                  plan_gpu=plan_gpu)
     else:
         n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
         with report.progress(f"verify {suite}", n) as advance:
