@@ -26,6 +26,7 @@ from kdev.fsutil import atomic_write_bytes
 
 KIND, VERSION = "kdev-field-report", 1
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+SANITIZER_PREFIX = "========="
 TAIL_LINES = 20
 
 
@@ -62,13 +63,20 @@ def run_step(step: Step) -> dict:
         rc, out, err = None, "", f"{e.stderr or ''}\ntimed out after {step.timeout_s:.0f} s"
     except OSError as e:  # the tool in front of it is not there
         rc, out, err = None, "", f"could not start {cmd[0]}: {e.strerror}"
+    # compute-sanitizer writes its own lines (each starting with =========) into the same stdout as the document
+    tool = [line for line in out.splitlines() if line.startswith(SANITIZER_PREFIX)]
+    body = "\n".join(line for line in out.splitlines() if not line.startswith(SANITIZER_PREFIX))
     try:
-        doc = json.loads(out) if out.strip() else None
+        doc = json.loads(body) if body.strip() else None
     except ValueError:
         doc = None
-    return {"name": step.name, "command": " ".join(cmd),
-            "rc": rc, "seconds": round(time.monotonic() - t0, 1), "doc": doc,
-            "tail": [] if rc == 0 else (err or "").strip().splitlines()[-TAIL_LINES:]}
+    if isinstance(doc, dict):
+        doc.pop("results", None)  # a case-by-case list (megabytes for a fuzz run): the summary and failures stay
+    result = {"name": step.name, "command": " ".join(cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
+              "doc": doc, "tail": [] if rc == 0 else (err or "").strip().splitlines()[-TAIL_LINES:]}
+    if step.wrapper:
+        result["sanitizer"] = [line.removeprefix(SANITIZER_PREFIX).strip() for line in tool][-TAIL_LINES:]
+    return result
 
 
 class NvmlSampler:

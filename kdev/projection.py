@@ -366,6 +366,13 @@ class Family:
     fit: tuple  # files the constants are fitted on
     held_out: tuple  # files they are checked on
     borrow: str | None  # a family without points takes another's constants (the assumption the range names)
+    misses: tuple = ()  # ({axis: value}, reason): held-out points the model is known to miss, kept as failing cases
+
+
+def missed(fam: Family, point: "Point") -> str | None:
+    """Why the model misses this held-out point (a known failing case), or None."""
+    axes = point.shape.__dict__
+    return next((why for match, why in fam.misses if all(axes.get(k) == v for k, v in match.items())), None)
 
 
 @dataclass(frozen=True)
@@ -386,8 +393,13 @@ def load_config(path: Path = PROJECTION_CONFIG) -> ProjectionConfig:
     families = {}
     for name in list(fams.data):
         f = fams.sub(name)
+        misses = []
+        for i, m in enumerate(f.get("misses", list, [])):
+            if not isinstance(m, dict) or not isinstance(m.get("reason"), str):
+                raise f.fail("misses", f"[{i}]: a mapping of axes and a reason")
+            misses.append(({k: v for k, v in m.items() if k != "reason"}, m["reason"]))
         families[name] = Family(name, tuple(f.get("archs", list)), tuple(f.get("fit", list, [])),
-                                tuple(f.get("held_out", list, [])), f.get("borrow", str, None))
+                                tuple(f.get("held_out", list, [])), f.get("borrow", str, None), tuple(misses))
         f.done()
     fams.done()
     top.done()
@@ -469,13 +481,14 @@ def constants_for(model: Model, cfg: ProjectionConfig, arch: str, extra: list[Po
     return model.fit(points, cfg.start, fam.name, files), fam
 
 
-def check(model: Model, points: list[Point], k: Constants) -> list[dict]:
-    """Each point's projection against its measurement."""
+def check(model: Model, points: list[Point], k: Constants, fam: Family | None = None) -> list[dict]:
+    """Each point's projection against its measurement (and, held out, why the model is known to miss it)."""
     out = []
     for p in points:
         us = model.predict(p, k)
         out.append({"gpu": p.gpu.name, "shape": p.shape.name, "call": p.call, "measured_us": p.us,
-                    "projected_us": us, "error": us / p.us - 1.0, "source": p.source})
+                    "projected_us": us, "error": us / p.us - 1.0, "source": p.source,
+                    "known_miss": missed(fam, p) if fam else None})
     return out
 
 
@@ -518,10 +531,13 @@ def fit_report(model: Model, cfg: ProjectionConfig, fam: Family, k: Constants) -
     """How far the constants are off on the points they were fitted on, and on the held-out ones (none for a family
     that borrows its constants: its points are the other family's)."""
     src = cfg.families[k.family]
-    fitted, held = check(model, points_of(src.fit), k), check(model, points_of(src.held_out), k)
+    fitted, held = check(model, points_of(src.fit), k), check(model, points_of(src.held_out), k, src)
     worst = lambda rows: max((abs(r["error"]) for r in rows), default=None)  # noqa: E731
     return {"family": fam.name, "constants_from": k.family, "tolerance": cfg.tolerance, "fit": fitted,
-            "held_out": held, "fit_max_error": worst(fitted), "held_out_max_error": worst(held)}
+            "held_out": held, "fit_max_error": worst(fitted),
+            "held_out_max_error": worst([r for r in held if not r["known_miss"]]),
+            "known_misses": {why: worst([r for r in held if r["known_miss"] == why])
+                             for _, why in src.misses}}
 
 
 def calibrate(model: Model, cfg: ProjectionConfig, path: Path) -> dict:

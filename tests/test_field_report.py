@@ -2,6 +2,7 @@
 NVML summary, a failing step, the write rules, and the round trip through `kdev plan --project --calibrate`."""
 
 import json
+import types
 import pytest
 from typer.testing import CliRunner
 
@@ -90,3 +91,13 @@ def test_the_command_writes_the_report_and_exits_1_on_a_failed_step(tmp_path, mo
     assert "verify" in r.output and "r.json" in r.output and out.is_file()
     r = CliRunner().invoke(app, ["field-report", "--out", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
+
+
+def test_a_step_keeps_the_document_without_its_case_list_and_the_sanitizers_lines(monkeypatch):
+    out = "========= COMPUTE-SANITIZER\n" + json.dumps({"passed": True, "results": [1] * 10}) + \
+        "\n========= ERROR SUMMARY: 0 errors\n"
+    monkeypatch.setattr(fr.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr=""))
+    step = fr.Step("sanitizer-memcheck", ("verify", "--json"), 10, ("compute-sanitizer", "--tool", "memcheck"))
+    r = fr.run_step(step)
+    assert r["doc"] == {"passed": True} and r["sanitizer"] == ["COMPUTE-SANITIZER", "ERROR SUMMARY: 0 errors"]
+    assert r["command"].startswith("compute-sanitizer --tool memcheck ") and r["rc"] == 0

@@ -91,11 +91,21 @@ def test_fitted_on_the_h200_the_projection_holds_on_the_held_out_h100(model, cfg
     k, fam = P.constants_for(model, cfg, "sm_90")
     assert k.family == "hopper" and k.points == 14
     rep = P.fit_report(model, cfg, fam, k)
-    assert len(rep["held_out"]) == 14 and {r["call"] for r in rep["held_out"]} == set(kplan.CALLS)
-    off = {f"{r['shape']} {r['call']}": round(r["error"], 3) for r in rep["held_out"]
-           if abs(r["error"]) > cfg.tolerance}
+    held = [r for r in rep["held_out"] if not r["known_miss"]]
+    assert len(held) == 28 and {r["call"] for r in held} == set(kplan.CALLS)  # two H100 runs at page size 64
+    off = {f"{r['shape']} {r['call']}": round(r["error"], 3) for r in held if abs(r["error"]) > cfg.tolerance}
     assert not off, off
     assert rep["fit_max_error"] < 0.05
+
+
+def test_the_known_misses_still_miss(model, cfg):
+    """Page size 1 on the H100 field report: the model (fitted without a gather) is far off. A miss that stops missing
+    is taken off configs/projection.yaml's list, not left there."""
+    k, fam = P.constants_for(model, cfg, "sm_90")
+    rep = P.fit_report(model, cfg, fam, k)
+    misses = [r for r in rep["held_out"] if r["known_miss"]]
+    assert len(misses) == 14 and all(r["shape"].endswith("-p1") for r in misses)
+    assert all(abs(r["error"]) > cfg.tolerance for r in misses), [(r["shape"], r["error"]) for r in misses]
 
 
 def test_a_projection_moves_with_the_sass_it_prices(model, cfg):
@@ -214,7 +224,7 @@ def test_the_sass_loops_are_read_once_per_library(model):
 
 
 def test_points_tables_and_bench_results_read_alike():
-    (h100,) = P.load_config().families["hopper"].held_out
+    h100, field = P.load_config().families["hopper"].held_out
     pts = P.load_points(config.REPO_ROOT / h100)
     assert len(pts) == 14 and pts[0].gpu.name == "NVIDIA H100 80GB HBM3"
     assert pts[0].gpu.rates["clock_mhz"].nominal == 1980 and pts[0].gpu.flops == 646e12
@@ -222,3 +232,6 @@ def test_points_tables_and_bench_results_read_alike():
     pts = P.load_points(config.REPO_ROOT / h200)
     assert len(pts) == 14 and {p.call for p in pts} == set(kplan.CALLS)
     assert np.isclose(pts[0].gpu.flops, 643.1e12, rtol=1e-3)  # the run's own ceilings, not the table's
+    pts = P.load_points(config.REPO_ROOT / field)  # a field report: its bench part, page sizes 1 and 64
+    assert len(pts) == 28 and {p.shape.page_size for p in pts} == {1, 64} and np.isclose(pts[0].gpu.flops, 650.1e12,
+                                                                                         rtol=1e-3)

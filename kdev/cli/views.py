@@ -238,6 +238,8 @@ def show_projection(doc: dict) -> None:
     pct = lambda e: "-" if e is None else f"{100 * e:.1f}%"  # noqa: E731
     report.show(f"off on the fit's points by {pct(fit['fit_max_error'])} at most; on the held-out points by "
                 f"{pct(fit['held_out_max_error'])} at most (tolerance {pct(fit['tolerance'])})")
+    for why, worst in fit["known_misses"].items():
+        report.warn(f"known miss, up to {pct(worst)} off on held-out points: {why} (docs/projection.md)")
     rows = []
     for s in doc["shapes"]:
         clusters = "  ".join(f"{c['ctas']}: {c['no_l2_reuse_us']:,.0f}" for c in s["clusters"])
