@@ -126,7 +126,7 @@ def test_a_projection_moves_with_the_sass_it_prices(model, cfg):
 
 def test_plan_project_prints_each_targets_range_and_bound_at_page_sizes_1_and_64(both_archs):
     r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--call", "flash-portable", "--project",
-                                 "-a", "page_size=1,64", "--library", str(both_archs[1].library), "--json"])
+                                 "--library", str(both_archs[1].library), "--json"])  # both page sizes by default
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["arch"] == "sm_120" and doc["fit"]["constants_from"] == "hopper"

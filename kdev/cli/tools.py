@@ -42,6 +42,9 @@ def plan_cmd(
 
     if call not in kplan.CALLS:
         raise typer.BadParameter(f"must be one of {', '.join(kplan.CALLS)}", param_hint="--call")
+    if project and not shape and not any(a.split("=")[0].strip().lower() in ("page_size", "page", "p")
+                                         for a in axis or []):
+        axis = [*(axis or []), "page_size=1,64"]  # a projection is asked of both paths an engine takes
     shapes = bench.expand(bench.load_bench(config), sweep or (None if shape else "targets"), shape, axis)
     gpu = kplan.resolve_gpu(gpu_name, sms)
     path = library or build.latest_library()
