@@ -309,6 +309,18 @@ def plan(spec: str | None) -> list[GpuState] | None:
     return gpus
 
 
+def prebuild(gpus: list[GpuState], log=None) -> None:
+    """The library for each arch among the GPUs, built once here before the workers start (a cache hit when nothing
+    changed): workers that each found none would all build it at once."""
+    from kdev import build, config
+    from kdev.errors import CheckFailed
+
+    for arch in sorted({g.arch for g in gpus if g.arch != "?"}):
+        res = build.build(config.load_build(None, [arch]), log=log)
+        if res.problems:
+            raise CheckFailed(f"kdev build for {arch} failed its resource gate: {res.problems[0]}")
+
+
 def ledger_record(result: WorkerResult, source_hash: str) -> dict:
     """verify's ledger record for one GPU, written by the parent: the worker's record, or a failed one with the reason
     where the worker gave none. Either is keyed by the GPU's UUID as this process resolved it."""

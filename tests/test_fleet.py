@@ -78,6 +78,9 @@ def fake(monkeypatch, tmp_path):
     def use(*behaviours, **kw):
         devices = FakeDevices(list(behaviours), **kw)
         monkeypatch.setattr(fleet, "devices", lambda: devices)
+        devices.built = []
+        monkeypatch.setattr(fleet, "prebuild", lambda gpus, log=None: devices.built.append(
+            sorted({g.arch for g in gpus})))
         return devices
 
     return use
@@ -125,6 +128,7 @@ def test_verify_on_every_gpu_writes_one_ledger_row_per_uuid(fake, tmp_path):
     assert r.exit_code == 1, r.output
     doc = json.loads(r.stdout)
     assert [g["passed"] for g in doc["gpus"]] == [True, False, False, True] and not doc["passed"]
+    assert devices.built == [["sm_90"]]  # the library built once, before the workers
     argv = devices.started[0][0]
     assert argv[0] == "verify" and argv.count("--json") == 1 and "--gpus" not in argv and "--worker-timeout" not in argv
     assert argv[argv.index("--kernel") + 1] == "naive,flash" and argv[argv.index("--repeat") + 1] == "2"
@@ -283,3 +287,12 @@ def test_a_worker_keeps_its_failing_fuzz_cases_apart(monkeypatch):
     monkeypatch.setenv(fleet.WORKER_ENV, "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234")
     assert fleet.failures_root().parts[-2:] == ("fleet", "GPU-1234")
+
+
+def test_prebuild_builds_each_arch_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr("kdev.build.build", lambda cfg, log=None: calls.append(cfg.archs) or
+                        type("R", (), {"problems": [], "library": "x"})())
+    states = [fleet.GpuState(i, f"GPU-{i}", arch=a) for i, a in enumerate(["sm_90", "sm_120", "sm_90", "?"])]
+    fleet.prebuild(states)
+    assert calls == [("sm_120",), ("sm_90",)]

@@ -127,6 +127,8 @@ def verify_cmd(
         verify.open_checked_suite(suite, allow_stale)  # a bad suite: exit 2 before the GPUs are asked for
     several = fleet.plan(gpus)
     if several is not None:
+        if library is None:
+            fleet.prebuild(several, report.info)
         live, update = fan_out_progress()
         with live:
             doc = fleet.verify(several, worker_argv(ctx), worker_timeout, update)
@@ -211,6 +213,8 @@ def bench_cmd(
     if several is not None:
         if baseline or csv_out or plot_out:
             raise typer.BadParameter("--baseline, --csv and --plot take one GPU: name it (--gpus N)", param_hint="--gpus")
+        if library is None:
+            fleet.prebuild(several, report.info)
         live, update = fan_out_progress()
         with live:
             doc = fleet.bench(several, worker_argv(ctx), worker_timeout, update)
