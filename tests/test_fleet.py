@@ -296,3 +296,10 @@ def test_prebuild_builds_each_arch_once(monkeypatch):
     states = [fleet.GpuState(i, f"GPU-{i}", arch=a) for i, a in enumerate(["sm_90", "sm_120", "sm_90", "?"])]
     fleet.prebuild(states)
     assert calls == [("sm_120",), ("sm_90",)]
+
+
+def test_bench_on_every_gpu_shows_each_card_and_the_spread(fake):
+    fake("pass", "slow")
+    r = CliRunner().invoke(app, ["bench", "--gpus", "all"])
+    assert r.exit_code == 0, r.output
+    assert "kdev bench on 2 GPUs" in r.output and "median µs per card" in r.output and "20.0%" in r.output

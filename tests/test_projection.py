@@ -235,3 +235,14 @@ def test_points_tables_and_bench_results_read_alike():
     pts = P.load_points(config.REPO_ROOT / field)  # a field report: its bench part, page sizes 1 and 64
     assert len(pts) == 28 and {p.shape.page_size for p in pts} == {1, 64} and np.isclose(pts[0].gpu.flops, 650.1e12,
                                                                                          rtol=1e-3)
+
+
+def test_the_human_report_names_each_part(model, both_archs, tmp_path, fake_nvml):
+    path = synthetic_report(model, tmp_path, 1.1, fake_nvml)
+    r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--project", "--shape", "B=1,L=32768,N=64,H=8",
+                                 "--calibrate", str(path), "--library", str(both_archs[1].library)])
+    assert r.exit_code == 0, r.output
+    for part in ("family blackwell-sm120, borrowed from hopper", "known miss", "projected on NVIDIA RTX PRO 6000",
+                 "per kernel", "before and after its points joined the fit", "B1-L32768-N64-H8-p64"):
+        assert part in r.output, part
+    assert "-p1" not in r.output.split("per kernel")[0]  # --shape: the page size it names, not both
