@@ -71,3 +71,31 @@ def test_a_bad_skewed_shape_is_one_line(bad, why):
         bench.expand(bench.load_bench(), None, [bad], None)
     r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--shape", bad])
     assert r.exit_code == 2 and why in r.output
+
+
+def test_the_flex_peer_matches_the_float64_reference_on_the_cpu():
+    """torch FlexAttention as a bench peer (document masking over the batch, the tree mask by table): eager on the CPU,
+    it gives the reference's outputs and LSEs on a skewed batch with pages of 16."""
+    import warnings
+
+    from kdev import mla
+
+    s = bench.expand(bench.load_bench(), None, ["requests=2x300+1x150,budgets=8/16,heads=3,page_size=16"], None)[0]
+    x, sizes, _ = runners.make_inputs(s, seed=5, device="cpu")
+    r = runners.make_runner("torch-flex", x, None, {})
+    r.poison()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex says it is not the fused kernel
+        r.run()
+    out, lse = mla.reference_verify_attn(x.q, x.kv_cache, x.page_table, x.prefix_lens, x.q_indptr, x.tree_mask,
+                                         x.scale)
+    assert r.out.shape == out.shape and not r.out.isnan().any()
+    assert (r.out.double() - out).abs().max() < 2e-2 and (r.lse.double() - lse).abs().max() < 1e-4
+    # a flipped ancestor bit moves the rows it belongs to: the mask reaches the peer
+    x.tree_mask[sizes[0] + 3] ^= 1  # request 1's node 3 sees (or stops seeing) that request's root
+    flipped = runners.make_runner("torch-flex", x, None, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flipped.run()
+    moved = (flipped.out.float() - r.out.float()).abs().amax(dim=(1, 2)) > 1e-3
+    assert moved.nonzero().flatten().tolist() == [sizes[0] + 3]

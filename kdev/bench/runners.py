@@ -145,6 +145,64 @@ class TorchSdpaRunner(Runner):
             self.out[r0:r1] = o[0].permute(1, 0, 2)
 
 
+class TorchFlexRunner(Runner):
+    """torch FlexAttention, as a Hopper user would write this call with it: every request's KV gathered from its pages
+    into one sequence and its queries into another (at construction, as the other torch peers gather), and a block
+    mask that lets a query row see its own request's prefix and its tree ancestors (document masking); one latent KV
+    head shared by the query heads (enable_gqa). Compiled on a GPU (torch.compile: the fused kernel), eager on the CPU.
+    On a GPU whose compiled kernel cannot take 576-wide rows, the run reports the error (a peer that raises)."""
+
+    def __init__(self, x):
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        dev = x.q.device
+        parts = _gathered(x)
+        H = x.q.shape[1]
+        k = torch.cat([kk for _, _, kk, _ in parts])  # [S, 576]
+        kv_doc = torch.cat([torch.full((kk.shape[0],), b, dtype=torch.int32, device=dev)
+                            for b, (_, _, kk, _) in enumerate(parts)])
+        q_doc = torch.cat([torch.full((r1 - r0,), b, dtype=torch.int32, device=dev)
+                           for b, (r0, r1, _, _) in enumerate(parts)])
+        # query row i of request b sees key j of request b where its mask row says so: one [rows, longest] table
+        width = max(kk.shape[0] for _, _, kk, _ in parts)
+        seen = torch.zeros(x.q.shape[0], width, dtype=torch.bool, device=dev)
+        for r0, r1, kk, m in parts:
+            seen[r0:r1, :kk.shape[0]] = m
+        start = torch.zeros(len(parts), dtype=torch.int64, device=dev)
+        start[1:] = torch.cumsum(torch.tensor([kk.shape[0] for _, _, kk, _ in parts[:-1]], device=dev), 0)
+
+        def mask_mod(b, h, qi, kj):
+            return (q_doc[qi] == kv_doc[kj]) & seen[qi, (kj - start[kv_doc[kj]]).clamp(0, width - 1)]
+
+        n, S = x.q.shape[0], k.shape[0]
+        self.block_mask = create_block_mask(mask_mod, 1, None, n, S, device=str(dev))
+        self.q = x.q.permute(1, 0, 2).unsqueeze(0).contiguous()  # [1, H, rows, 576]
+        self.k = k[None, None].contiguous()                        # [1, 1, S, 576]: one KV head
+        self.v = k[None, None, :, :LATENT_DIM].contiguous()
+        self.scale, self.heads = float(x.scale), H
+        self.fn = torch.compile(flex_attention, dynamic=False) if dev.type == "cuda" else flex_attention
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+
+            self.aux = AuxRequest(lse=True)
+        except ImportError:
+            self.aux = None
+        self.out = torch.empty(n, H, LATENT_DIM, dtype=x.q.dtype, device=dev)
+        self.lse = torch.empty(n, H, dtype=torch.float32, device=dev)
+
+    def run(self) -> None:
+        if self.aux is not None:
+            o, aux = self.fn(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True,
+                             return_aux=self.aux)
+            lse = aux.lse
+        else:  # a torch from before return_aux
+            o, lse = self.fn(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True,
+                             return_lse=True)
+        self.out.copy_(o[0].permute(1, 0, 2))
+        self.lse.copy_(lse[0].permute(1, 0))
+
+
 class TritonRunner(Runner):
     """kdev/triton_peer.py: the contract as a Triton kernel (heads x nodes packed, split-KV, a Triton combine)
     reading the paged cache itself; construction times its tile sizes at this shape and keeps the fastest
@@ -190,7 +248,7 @@ def load_peer(spec: str):
 # The peers by name: a backend that needs only the inputs (the verify kernels need a library, --peer a function). A new
 # peer is a Runner subclass and one line here.
 RUNNERS: dict[str, type[Runner]] = {"torch-eager": TorchEagerRunner, "torch-sdpa": TorchSdpaRunner,
-                                    "triton": TritonRunner}
+                                    "torch-flex": TorchFlexRunner, "triton": TritonRunner}
 
 
 def make_runner(name: str, x, lib, peers: dict, others: dict | None = None) -> Runner:

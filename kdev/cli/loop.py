@@ -174,7 +174,7 @@ def bench_cmd(
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
-                                          "flash, flash-portable, naive, triton, torch-eager, torch-sdpa, and for the "
+                                          "flash, flash-portable, naive, triton, torch-eager, torch-sdpa, torch-flex, and for the "
                                           "tree-kernels sweep ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
                                           "a copy of kernels/, a git revision or a .patch of kernels/)."),
