@@ -372,10 +372,6 @@ class Rate:
     def nominal(self) -> float:
         return (self.low + self.high) / 2
 
-    @property
-    def known(self) -> bool:
-        return self.low == self.high
-
 
 RATE_NAMES = ("clock_mhz", "smem_bytes_per_clk", "l2_bytes_per_clk", "issue_per_clk", "l2_mb")
 

@@ -1,6 +1,6 @@
 """kdev command line: one thin function per command (parsing, output mode, exit code); the work lives in the stage
 modules, what a person sees in kdev/cli/views.py. The commands of the loop are in kdev/cli/loop.py (gen-refs, build,
-verify, bench, ab), the rest in kdev/cli/tools.py (plan, sass, clean, deploy-check, all). Exit codes
+verify, bench, ab), the rest in kdev/cli/tools.py (plan, sass, field-report, clean, deploy-check, all). Exit codes
 (docs/architecture.md §5): 0 success, 1 a check failed, 2 bad usage or input, 3 environment missing. --json prints
 exactly one JSON document on stdout; progress and logs go to stderr."""
 
