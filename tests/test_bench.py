@@ -28,6 +28,7 @@ def test_sweeps_expand_and_override():
     names = {s.name for s in ddtree}
     assert "B1-L32768-N64-H8-p64" in names and "B16-L32768-N64-H8-p64" in names and "B1-L32768-N64-H8-p1" in names
     assert {s.prefix for s in ddtree} == {1024, 4096, 16384, 32768, 131072}
+    assert {s.budget for s in ddtree} == {16, 32, 64, 128, 256, 512}  # where DDTree's speedup peaks: 256-512
     assert len(bench.expand(cfg, "grid", None, None)) == 225
     over = bench.expand(cfg, "smoke", None, ["H=8,64"])
     assert sorted({s.heads for s in over}) == [8, 64] and len(over) == 2 * len(bench.expand(cfg, "smoke", None, None))
