@@ -142,9 +142,10 @@ class Devices:
                                 start_new_session=True)
 
 
-def select(devices, spec: str | None) -> list[GpuState]:
-    """The GPUs `--gpus` names (all where None), each with its NVML state."""
-    uuids = devices.uuids()
+def select(devices, spec: str | None, uuids: list[str] | None = None) -> list[GpuState]:
+    """The GPUs `--gpus` names (all where None), each with its NVML state; `uuids`: the devices' list, where it is
+    already at hand (listing them takes a process)."""
+    uuids = devices.uuids() if uuids is None else uuids
     if not uuids:
         raise EnvironmentMissing("no CUDA GPU visible to this process")
     spec = (spec or "all").strip()
@@ -303,10 +304,9 @@ def plan(spec: str | None) -> list[GpuState] | None:
         if torch.cuda.device_count() <= 1:
             return None
     layer = devices()
-    gpus = select(layer, spec)
-    if len(gpus) == 1 and len(layer.uuids()) == 1:
-        return None
-    return gpus
+    uuids = layer.uuids()
+    gpus = select(layer, spec, uuids)
+    return None if len(gpus) == 1 and len(uuids) == 1 else gpus
 
 
 def prebuild(gpus: list[GpuState], log=None) -> None:

@@ -113,8 +113,11 @@ def test_gpus_names_positions_or_uuids_and_refuses_the_rest(fake):
 
 
 def test_one_gpu_runs_here_as_it_always_did(fake, monkeypatch):
-    fake("pass")
+    devices = fake("pass")
+    listed = []
+    monkeypatch.setattr(devices, "uuids", lambda: listed.append(1) or FakeDevices(["pass"]).uuids())
     assert fleet.plan("all") is None and fleet.plan("0") is None
+    assert len(listed) == 2  # the GPUs listed once per call (a process each)
     monkeypatch.setenv(fleet.WORKER_ENV, "1")
     assert fleet.plan(None) is None  # a worker never fans out again
     with pytest.raises(BadInput, match="a worker runs on the one GPU"):
