@@ -6,12 +6,43 @@ where one that is missing or damaged stands for no record."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
+
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM held back while the block runs and acted on as it ends: a temp that is made and not yet inside
+    the try that removes it, or a rename swap half done, is never left by Ctrl-C or a kill. Python runs signal handlers
+    in the main thread whichever thread the signal reached, so the block's own handlers only note the signal; the
+    handlers of before take it at the end (their exception raised at the block's end, inside the caller's try)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can be set in the main thread only, and run only there
+        return
+    pending: list[int] = []
+    before = {s: signal.getsignal(s) for s in DEFERRED_SIGNALS}
+    for s in DEFERRED_SIGNALS:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        for signum in pending[:1]:
+            handler = before[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def umask() -> int:
@@ -86,11 +117,13 @@ def remove_dead_writers_temps(parent: Path) -> list[Path]:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_name(path.name), suffix=".tmp", dir=path.parent)
-    except OSError as e:  # said of the file asked for, not of the temp file's made-up name
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    try:
+        with signals_deferred():  # a kill now lands inside this try, where the temp is removed
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=temp_name(path.name), suffix=".tmp", dir=path.parent)
+            except OSError as e:  # said of the file asked for, not of the temp file's made-up name
+                raise OSError(e.errno, e.strerror, str(path)) from None
         os.fchmod(fd, normal_mode())  # mkstemp's 0600 would keep every other account out
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -98,7 +131,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 from kdev.cases import CaseData, generate_case
 from kdev.config import SuiteSpec, Tolerances, load_model, load_yaml
 from kdev.errors import BadInput
-from kdev.fsutil import atomic_write_bytes, make_temp_dir, remove_dead_writers_temps
+from kdev.fsutil import atomic_write_bytes, make_temp_dir, remove_dead_writers_temps, signals_deferred
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.yaml"
@@ -90,8 +90,10 @@ def write_suite(suite: SuiteSpec, out_root: Path, force: bool = False, device: s
     if target.exists() and not force:
         raise BadInput(f"{target}: suite already exists (use --force to overwrite)")
     remove_dead_writers_temps(out_root)
-    tmp = make_temp_dir(out_root, suite.name)
+    tmp = None
     try:
+        with signals_deferred():  # a kill now lands inside this try, where the temp folder is removed
+            tmp = make_temp_dir(out_root, suite.name)
         entries = []
         kept = _stored_cases(target) if target.exists() else {}
         for spec in suite.cases:
@@ -108,14 +110,16 @@ def write_suite(suite: SuiteSpec, out_root: Path, force: bool = False, device: s
                     "generator_hash": generator_hash(), "cases": entries}
         atomic_write_bytes(tmp / MANIFEST, yaml.safe_dump(manifest, sort_keys=False).encode())
         old = None
-        if target.exists():
-            old = make_temp_dir(out_root, suite.name, ".old")
-            os.replace(target, old / suite.name)
-        os.replace(tmp, target)
+        with signals_deferred():  # the swap is never left half done: the suite it replaces is not lost
+            if target.exists():
+                old = make_temp_dir(out_root, suite.name, ".old")
+                os.replace(target, old / suite.name)
+            os.replace(tmp, target)
         if old:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 

@@ -272,3 +272,20 @@ def test_a_table_wider_than_the_terminal_keeps_every_figure_whole(both_archs):
     assert "  slot use         90.2%" in out and "  KV read by CTAs  340 MB (9x)" in out
     code, out, _ = run_kdev("plan", "--gpu", "h200", "--library", lib, env={"COLUMNS": "250"})
     assert code == 0 and "│ B1-L32768-N64-H8-p64 " in out  # a terminal it fits keeps the table
+
+
+def test_a_signal_in_a_deferred_block_lands_after_it():
+    """fsutil.signals_deferred: a SIGTERM sent while a temp is being made is delivered as the block ends (inside the
+    caller's try that removes the temp), not between the temp's creation and that try."""
+    from kdev import fsutil
+
+    seen = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handled"))
+    try:
+        with fsutil.signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen.append("block still running")
+        seen.append("after")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert seen == ["block still running", "handled", "after"]
