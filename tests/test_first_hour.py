@@ -279,13 +279,22 @@ def test_a_signal_in_a_deferred_block_lands_after_it():
     caller's try that removes the temp), not between the temp's creation and that try."""
     from kdev import fsutil
 
+    import threading
+
     seen = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("handled"))
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # a thread the signal may reach (torch and thread pools have them)
+    other.start()
     try:
         with fsutil.signals_deferred():
             os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(200_000):  # bytecodes at which a handler would run
+                pass
             seen.append("block still running")
         seen.append("after")
     finally:
         signal.signal(signal.SIGTERM, old)
+        stop.set()
+        other.join()
     assert seen == ["block still running", "handled", "after"]
