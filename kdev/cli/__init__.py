@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from kdev import __version__, report
-from kdev.errors import EXIT_BAD_INPUT, EnvironmentMissing, KdevError
+from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EnvironmentMissing, KdevError
 
 app = typer.Typer(
     name="kdev",
@@ -81,6 +81,23 @@ def fan_out_progress():
         live.update(render())
 
     return live, update
+
+
+def run_on_gpus(ctx: typer.Context, stage: str, gpus: list, library, worker_timeout: float, out_json, json_out: bool):
+    """verify or bench on several GPUs (kdev/fleet.py): the library built once per arch, a worker per GPU with this
+    command's options, a progress line each, the gathered document written and shown; exit 1 where a GPU failed."""
+    from kdev import fleet
+    from kdev.cli import views
+
+    if library is None:
+        fleet.prebuild(gpus, report.info)
+    live, update = fan_out_progress()
+    with live:
+        doc = getattr(fleet, stage)(gpus, worker_argv(ctx), worker_timeout, update)
+    write_json_file(out_json, doc)
+    report.emit_json(doc) if json_out else views.show_fleet(doc, stage)
+    if not doc["passed"]:
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 def command(fn):

@@ -9,7 +9,7 @@ import typer
 
 from kdev import report
 from kdev.cli import AxisOpt, GpusOpt, JsonOpt, PlanGpuOpt, ShapeOpt, WorkerTimeoutOpt, app, check_device, command
-from kdev.cli import fan_out_progress, kernel_list, split_archs, worker_argv, write_json_file
+from kdev.cli import kernel_list, run_on_gpus, split_archs, write_json_file
 from kdev.cli import views
 from kdev.errors import EXIT_CHECK_FAILED, BadInput
 
@@ -127,16 +127,7 @@ def verify_cmd(
         verify.open_checked_suite(suite, allow_stale)  # a bad suite: exit 2 before the GPUs are asked for
     several = fleet.plan(gpus)
     if several is not None:
-        if library is None:
-            fleet.prebuild(several, report.info)
-        live, update = fan_out_progress()
-        with live:
-            doc = fleet.verify(several, worker_argv(ctx), worker_timeout, update)
-        write_json_file(out_json, doc)
-        report.emit_json(doc) if json_out else views.show_fleet(doc, "verify")
-        if not doc["passed"]:
-            raise typer.Exit(EXIT_CHECK_FAILED)
-        return
+        return run_on_gpus(ctx, "verify", several, library, worker_timeout, out_json, json_out)
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
     if fuzz:
         from kdev import gpu
@@ -213,16 +204,7 @@ def bench_cmd(
     if several is not None:
         if baseline or csv_out or plot_out:
             raise typer.BadParameter("--baseline, --csv and --plot take one GPU: name it (--gpus N)", param_hint="--gpus")
-        if library is None:
-            fleet.prebuild(several, report.info)
-        live, update = fan_out_progress()
-        with live:
-            doc = fleet.bench(several, worker_argv(ctx), worker_timeout, update)
-        write_json_file(out_json, doc)
-        report.emit_json(doc) if json_out else views.show_fleet(doc, "bench")
-        if not doc["passed"]:
-            raise typer.Exit(EXIT_CHECK_FAILED)
-        return
+        return run_on_gpus(ctx, "bench", several, library, worker_timeout, out_json, json_out)
 
     opts = command.BenchOptions(sweep, shape, axis, backend, peer, ceilings, loop, baseline, normalize_by, from_file,
                                 csv_out, plot_out, plot_metric, out_json, seed, config, library, plan_gpu_name, graph)
