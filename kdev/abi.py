@@ -24,9 +24,14 @@ from kdev.errors import BadInput, EnvironmentMissing
 
 # flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows
 # (on an H200 the flash call takes the larger teams kernels): how the sm_120 code path is checked and timed here.
+# *-scheduled: the same kernels on the device schedule (split counts from each request's own lengths, made on the GPU by
+# kdtree_flash_schedule, which each such call here runs first: an engine makes it once per step for every layer).
 VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash",
-                  "flash-portable": "kdtree_verify_attn_flash_portable"}
-FLASH_KERNELS = ("flash", "flash-portable")  # split-KV: a workspace and a split count
+                  "flash-portable": "kdtree_verify_attn_flash_portable",
+                  "flash-scheduled": "kdtree_verify_attn_flash_scheduled",
+                  "flash-portable-scheduled": "kdtree_verify_attn_flash_portable_scheduled"}
+SCHEDULED_KERNELS = ("flash-scheduled", "flash-portable-scheduled")
+FLASH_KERNELS = ("flash", "flash-portable", *SCHEDULED_KERNELS)  # split-KV: a workspace and a split count
 
 
 class KernelError(RuntimeError):
@@ -207,6 +212,9 @@ class Library:
                                    "older sources")
         fn = VERIFY_KERNELS[kernel]
         s = stream or torch.cuda.current_stream()
+        if kernel in SCHEDULED_KERNELS:
+            self._status("kdtree_flash_schedule", self.lib.kdtree_flash_schedule(ctypes.byref(p),
+                                                                                 ctypes.c_void_p(s.cuda_stream)))
         self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
     def alloc_outputs(self, x: VerifyInputs):

@@ -143,7 +143,9 @@ extern "C" {
 // 2: VerifyAttnParams.plan_sm_count (the field that was `reserved` in 1, which ignored it).
 // 3: kdtree_flash_plan and kdtree_flash_split_cost speak of the narrow tiles' own split count (in 2: how many of the
 // full tiles' splits one narrow CTA covered), and the workspace holds the narrow tiles' partials apart.
-int kdtree_abi_version(void) { return 3; }
+// 4: the device schedule (kdtree_flash_schedule and the scheduled calls); the workspace holds it beside the partials
+// (kernels/include/kdev/flash_plan.cuh), and kdtree_verify_attn_workspace_size covers it.
+int kdtree_abi_version(void) { return 4; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
@@ -176,42 +178,72 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits) 
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
-  *num_splits = flash_plan(p, sm_count).num_splits;
+  *num_splits = flash_plan(p, sm_count).launch.splits;
+  return KDTREE_OK;
+}
+
+// The workspace a flash call or the schedule needs: `need` bytes, 16-byte aligned device memory (NULL where need is 0).
+static int check_workspace(const VerifyAttnParams* p, size_t need) {
+  if (need == 0) return KDTREE_OK;
+  if (p->workspace == nullptr)
+    return fail(KDTREE_ERR_WORKSPACE, "workspace is NULL but %zu bytes are needed (the schedule and split partials)",
+                need);
+  if (p->workspace_bytes < need)
+    return fail(KDTREE_ERR_WORKSPACE, "workspace_bytes %zu < %zu needed (the schedule and split partials)",
+                p->workspace_bytes, need);
+  if (!aligned(p->workspace, 16)) return fail(KDTREE_ERR_INVALID, "workspace is not 16-byte aligned");
+  if (!is_device_pointer(p->workspace)) return fail(KDTREE_ERR_INVALID, "workspace is not device memory");
   return KDTREE_OK;
 }
 
 // The flash call; `portable`: only the kernels whose blocks fit 101,376 B of shared memory, the ones an sm_120 GPU
-// runs, whatever this GPU allows (on an sm_90 GPU the tensor-copy path would otherwise take the teams kernels).
-static int verify_attn_flash(const VerifyAttnParams* p, bool portable, cudaStream_t stream) {
+// runs, whatever this GPU allows (on an sm_90 GPU the tensor-copy path would otherwise take the teams kernels);
+// `scheduled`: the kernels take their work from the schedule kdtree_flash_schedule wrote into the workspace.
+static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream) {
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
   const kdtree::FlashPlan plan = flash_plan(p, sm_count);
-  if (plan.workspace_bytes > 0) {
-    if (p->workspace == nullptr)
-      return fail(KDTREE_ERR_WORKSPACE, "workspace is NULL but %zu bytes are needed (%d KV splits)",
-                  plan.workspace_bytes, plan.num_splits);
-    if (p->workspace_bytes < plan.workspace_bytes)
-      return fail(KDTREE_ERR_WORKSPACE, "workspace_bytes %zu < %zu needed (%d KV splits)", p->workspace_bytes,
-                  plan.workspace_bytes, plan.num_splits);
-    if (!aligned(p->workspace, 16)) return fail(KDTREE_ERR_INVALID, "workspace is not 16-byte aligned");
-    if (!is_device_pointer(p->workspace)) return fail(KDTREE_ERR_INVALID, "workspace is not device memory");
-  }
-  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, portable, stream);
+  if (int st = check_workspace(p, scheduled ? plan.workspace_bytes : plan.plain_workspace_bytes)) return st;
+  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, portable, scheduled, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_flash launch");
   return KDTREE_OK;
 }
 
 int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  return verify_attn_flash(p, false, stream);
+  return verify_attn_flash(p, false, false, stream);
 }
 
 // The same contract, plan and workspace as kdtree_verify_attn_flash, run by the kernels that fit sm_120's shared
 // memory: how the sm_120 code path is verified and timed on a GPU that would pick others.
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  return verify_attn_flash(p, true, stream);
+  return verify_attn_flash(p, true, false, stream);
+}
+
+// The schedule for the lengths in p's device arrays (flash_plan.cuh, schedule.cuh), into p's workspace; the scheduled
+// calls below read it until it is made again.
+int kdtree_flash_schedule(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (int st = validate(p)) return st;
+  int sm_count = 0;
+  if (int st = plan_sm_count(p, &sm_count)) return st;
+  const kdtree::FlashPlan plan = flash_plan(p, sm_count);
+  if (int st = check_workspace(p, plan.workspace_bytes)) return st;
+  cudaError_t err = kdtree::launch_flash_schedule(*p, plan, stream);
+  if (err != cudaSuccess) return cuda_fail(err, "flash_schedule launch");
+  return KDTREE_OK;
+}
+
+int kdtree_verify_attn_flash_scheduled(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  return verify_attn_flash(p, false, true, stream);
+}
+
+int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  return verify_attn_flash(p, true, true, stream);
 }
 
 // What the flash call (portable = 0) or the portable call launches on a GPU of compute capability `major` whose
@@ -250,8 +282,8 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
   const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(batch, total_q, num_heads, max_qlen, max_kv_len,
                                                                 sm_count);
   *num_m_tiles = plan.num_m_tiles;
-  *num_splits = plan.num_splits;
-  *narrow_splits = plan.narrow_splits;
+  *num_splits = plan.launch.splits;
+  *narrow_splits = plan.launch.narrow_splits;
   *combine_groups = kdtree::flash_combine_groups(plan, batch, (long)total_q * num_heads, sm_count, threads_per_sm);
   *workspace_bytes = plan.workspace_bytes;
   return KDTREE_OK;

@@ -71,6 +71,7 @@
 #include "kdev/mma_sync.cuh"
 #include "kdev/verify_attn.cuh"
 #include "flash/common.cuh"
+#include "flash/schedule.cuh"
 #include "flash/narrow.cuh"
 #include "flash/lockstep.cuh"
 #include "flash/teams.cuh"
@@ -82,11 +83,10 @@ FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_
   const FlashSplitPlan split = plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count);
   FlashPlan plan{};
   plan.num_m_tiles = split.num_m_tiles;
-  plan.num_splits = split.num_splits;
-  plan.narrow_splits = split.narrow_splits;
-  plan.workspace_bytes = (flash_full_partials_floats(split.num_splits, (size_t)total_q * num_heads) +
-                          flash_narrow_partials_floats(split.narrow_splits, batch)) *
-                         sizeof(float);
+  plan.launch = flash_launch(split, batch, max_qlen, num_heads, sm_count, false);
+  plan.scheduled = flash_launch(split, batch, max_qlen, num_heads, sm_count, true);
+  plan.plain_workspace_bytes = flash_workspace(batch, plan.launch).bytes;
+  plan.workspace_bytes = flash_workspace(batch, plan.scheduled).bytes;
   return plan;
 }
 
@@ -95,8 +95,8 @@ FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_
 // barrier (measured: NOTES.md, flash v13). Counted for the full tiles' rows where they have partials, else for the
 // narrow tiles' (at most 16 per request); 0 where no row has partials (no combine kernel).
 int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, int threads_per_sm) {
-  const bool full = plan.num_splits > 1;
-  const int splits = full ? plan.num_splits : plan.narrow_splits;
+  const bool full = plan.launch.splits > 1;
+  const int splits = full ? plan.launch.splits : plan.launch.narrow_splits;
   if (splits <= 1) return 0;
   const long merged = full ? rows : batch * kNarrowRows;
   const long want = (long)sms * threads_per_sm;
@@ -133,11 +133,15 @@ static cudaError_t launch_behind(void (*kernel)(Params...), dim3 grid, unsigned 
 }
 
 template <int kGroups>
-static cudaError_t launch_combine(const VerifyAttnParams& p, const FlashPlan& plan, bool programmatic,
+static cudaError_t launch_combine(const VerifyAttnParams& p, const FlashLaunch& l, bool programmatic,
                                   cudaStream_t stream) {
   return launch_behind(verify_attn_combine_kernel<kGroups>, dim3((unsigned)(p.max_qlen * p.num_heads), p.batch),
-                       kGroups * kCombineColumnThreads, 0, programmatic, stream, p, plan.num_splits,
-                       plan.narrow_splits);
+                       kGroups * kCombineColumnThreads, 0, programmatic, stream, p, l);
+}
+
+cudaError_t launch_flash_schedule(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream) {
+  flash_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(p, plan.scheduled);
+  return cudaGetLastError();
 }
 
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable) {
@@ -155,7 +159,7 @@ FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool por
           kSmemBytes};
 }
 
-cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
+cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
                                      cudaStream_t stream) {
   int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -173,26 +177,27 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
                             : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.full_smem);
   if (err != cudaSuccess) return err;
-  const int narrow_elsewhere = plan.narrow_splits > 0;
-  dim3 grid(plan.num_m_tiles, plan.num_splits, p.batch);
-  kernel<<<grid, kThreads, choice.full_smem, stream>>>(p, plan.num_splits, narrow_elsewhere, kv_map);
+  const FlashLaunch& l = scheduled ? plan.scheduled : plan.launch;
+  kernel<<<dim3((unsigned)l.units), kThreads, choice.full_smem, stream>>>(p, l, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  if (narrow_elsewhere) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave
+  if (l.narrow_splits > 0) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave
     const auto narrow = teams ? verify_attn_flash_narrow_kernel<true, true>
                               : (tensor_copy ? verify_attn_flash_narrow_kernel<true, false>
                                              : verify_attn_flash_narrow_kernel<false, false>);
     err = cudaFuncSetAttribute(narrow, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.narrow_smem);
     if (err != cudaSuccess) return err;
-    err = launch_behind(narrow, dim3(plan.narrow_splits, p.batch), kThreads, choice.narrow_smem, sm90, stream, p,
-                        plan.num_splits, plan.narrow_splits, kv_map);
+    err = launch_behind(narrow, dim3((unsigned)l.narrow_units), kThreads, choice.narrow_smem, sm90, stream, p, l,
+                        kv_map);
     if (err != cudaSuccess) return err;
   }
-  const int groups = flash_combine_groups(plan, p.batch, (long)p.total_q * p.num_heads, sms, threads_per_sm);
+  // The combine: the host plan's groups per row; one where the host plan has no split but the schedule may cut one.
+  int groups = flash_combine_groups(plan, p.batch, (long)p.total_q * p.num_heads, sms, threads_per_sm);
+  if (groups == 0 && scheduled) groups = 1;
   if (groups == 0) return cudaSuccess;
-  err = groups == 4   ? launch_combine<4>(p, plan, sm90, stream)
-        : groups == 2 ? launch_combine<2>(p, plan, sm90, stream)
-                      : launch_combine<1>(p, plan, sm90, stream);
+  err = groups == 4   ? launch_combine<4>(p, l, sm90, stream)
+        : groups == 2 ? launch_combine<2>(p, l, sm90, stream)
+                      : launch_combine<1>(p, l, sm90, stream);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 

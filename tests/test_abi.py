@@ -85,7 +85,7 @@ def test_plan_as_another_gpu_needs_abi_2(sm90_library):
     """plan_as(N) puts N into every call's params.plan_sm_count; a library of ABI 1 (whose field of that place was
     `reserved` and ignored) would plan for this GPU regardless, so asking it is refused, not silently dropped."""
     lib = abi.Library(sm90_library)
-    assert lib.abi_version == 3 and lib.plan_sm_count == 0
+    assert lib.abi_version >= 2 and lib.plan_sm_count == 0
     lib.plan_as(188)
     assert lib.plan_sm_count == 188
     with pytest.raises(abi.AbiArgumentError, match="plan_sm_count -1 < 0"):

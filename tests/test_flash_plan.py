@@ -104,3 +104,186 @@ def test_the_pruned_search_takes_what_weighing_every_choice_would(plan):
 def test_no_split_where_one_wave_of_whole_ranges_fills_the_gpu(plan):
     # 132 requests of one row tile each: splitting would only add waves
     assert plan([(132, 8, 8, 32776, 132)]) == [(1, 1, 0)]
+
+
+# ---- the device schedule (flash_plan.cuh's arithmetic, which the schedule kernel runs on the GPU)
+SCHEDULE = r"""
+#include <cstdio>
+#include <vector>
+#include "kdev/flash_plan.cuh"
+// stdin: batches, each "B H sms" then B lines "prefix T"; stdout per batch: the launch's caps, the host plan, the
+// schedule's k, each request's (splits, narrow splits, first row, first narrow row), then the CTAs' work in order
+int main() {
+  int B, H, sms;
+  static kdtree::HostSchedule sch;
+  while (std::scanf("%d %d %d", &B, &H, &sms) == 3) {
+    std::vector<int> prefix(B), qlen(B);
+    int max_q = 1, max_kv = 1;
+    for (int b = 0; b < B; ++b) {
+      if (std::scanf("%d %d", &prefix[b], &qlen[b]) != 2) return 1;
+      max_q = qlen[b] > max_q ? qlen[b] : max_q;
+      max_kv = prefix[b] + qlen[b] > max_kv ? prefix[b] + qlen[b] : max_kv;
+    }
+    const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(B, max_q, H, max_kv, sms);
+    const kdtree::FlashLaunch l = kdtree::flash_launch(host, B, max_q, H, sms);
+    auto request = [&](int b) { return kdtree::schedule_request(prefix[b], qlen[b], H); };
+    std::vector<int> units, narrow;
+    kdtree::schedule_host(B, sms, l, request, sch,
+        [&](long, int b, int m, int s) { units.push_back(b); units.push_back(m); units.push_back(s); },
+        [&](long, int b, int s) { narrow.push_back(b); narrow.push_back(s); });
+    std::printf("%d %d %d %d %d %d %d %d %d\n", l.splits, l.narrow_splits, l.full_tiles, l.units, l.narrow_units,
+                l.rows, l.narrow_rows, sch.k, (int)kdtree::flash_workspace(B, l).bytes);
+    for (int b = 0; b < B; ++b)
+      std::printf("%d %d %ld %ld\n", sch.splits[b], sch.narrow_splits[b], sch.first_row[b], sch.first_narrow_row[b]);
+    std::printf("%zu", units.size() / 3);
+    for (int v : units) std::printf(" %d", v);
+    std::printf("\n%zu", narrow.size() / 2);
+    for (int v : narrow) std::printf(" %d", v);
+    std::printf("\n");
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def schedule(tmp_path_factory):
+    if CXX is None:
+        pytest.skip("no C++ compiler on PATH")
+    d = tmp_path_factory.mktemp("flash_schedule")
+    (d / "schedule.cpp").write_text(SCHEDULE)
+    subprocess.run([CXX, "-std=c++17", "-O1", f"-I{INCLUDE}", str(d / "schedule.cpp"), "-o", str(d / "schedule")],
+                   check=True, capture_output=True, text=True)
+
+    def run(batches):
+        text = "".join(f"{len(reqs)} {heads} {sms}\n" + "".join(f"{L} {T}\n" for L, T in reqs)
+                       for reqs, heads, sms in batches)
+        lines = iter(subprocess.run([str(d / "schedule")], input=text, check=True, capture_output=True,
+                                    text=True).stdout.splitlines())
+        out = []
+        for reqs, heads, sms in batches:
+            head = list(map(int, next(lines).split()))
+            per = [tuple(map(int, next(lines).split())) for _ in reqs]
+            u = list(map(int, next(lines).split()))
+            n = list(map(int, next(lines).split()))
+            out.append({"splits": head[0], "narrow_splits": head[1], "full_tiles": head[2], "units_cap": head[3],
+                        "narrow_cap": head[4], "rows_cap": head[5], "narrow_rows_cap": head[6], "k": head[7],
+                        "requests": per, "units": [tuple(u[1 + 3 * i:4 + 3 * i]) for i in range(u[0])],
+                        "narrow": [tuple(n[1 + 2 * i:3 + 2 * i]) for i in range(n[0])]})
+        return out
+    return run
+
+
+def _chunk(kv, s):
+    return -(-(-(-kv // s)) // 32) * 32
+
+
+def _ranges(kv, s):
+    c = _chunk(kv, s)
+    return [(min(kv, i * c), min(kv, i * c + c)) for i in range(s)]
+
+
+def _makespan(costs, sms):
+    """In-order dispatch to the first free SM (what the hardware does with one CTA per SM)."""
+    import heapq
+    free = [0] * sms
+    for c in costs:
+        heapq.heapreplace(free, free[0] + c)
+    return max(free)
+
+
+def _host_costs(reqs, heads, sched):
+    """The host plan's CTAs on these lengths (the same split counts for every request, each cut by its own length)."""
+    costs = []
+    for L, T in reqs:
+        rows = T * heads
+        m = -(-rows // 64)
+        narrow = sched["narrow_splits"] > 0 and rows - (m - 1) * 64 <= 16
+        costs += [min(_chunk(L + T, sched["splits"]), L + T) + 192] * ((m - narrow) * sched["splits"])
+        if narrow:
+            costs += [min(_chunk(L + T, sched["narrow_splits"]), L + T) // 2 + 192] * sched["narrow_splits"]
+    return costs
+
+
+def _sched_costs(reqs, sched):
+    costs = [min(_chunk(sum(reqs[b]), sched["requests"][b][0]), sum(reqs[b])) + 192 for b, _, _ in sched["units"]]
+    return costs + [min(_chunk(sum(reqs[b]), sched["requests"][b][1]), sum(reqs[b])) // 2 + 192
+                    for b, _ in sched["narrow"]]
+
+
+def _check(reqs, heads, sms, s):
+    """Every KV position of every row tile covered once, the caps held, the partial rows apart."""
+    assert len(s["units"]) <= s["units_cap"] and len(s["narrow"]) <= s["narrow_cap"]
+    seen = {}
+    for b, m, split in s["units"]:
+        assert (b, m, split) not in seen
+        seen[(b, m, split)] = 1
+    rows_used, narrow_used = [], []
+    for b, (L, T) in enumerate(reqs):
+        splits, nsplits, first, nfirst = s["requests"][b]
+        rows = T * heads
+        m_tiles = -(-rows // 64)
+        narrow = nsplits > 0  # the tail is the narrow kernel's: only a tail, only where the launch has a narrow kernel
+        assert not narrow or (s["narrow_splits"] > 0 and rows - (m_tiles - 1) * 64 <= 16)
+        full = m_tiles - narrow
+        assert 1 <= splits <= min(128, -(-(L + T) // 256))
+        assert {(m, sp) for (bb, m, sp) in seen if bb == b} == {(m, sp) for m in range(full) for sp in range(splits)}
+        covered = sorted(_ranges(L + T, splits))
+        assert covered[0][0] == 0 and covered[-1][1] == L + T
+        assert all(a[1] == c[0] for a, c in zip(covered, covered[1:]))
+        assert sorted(sp for bb, sp in s["narrow"] if bb == b) == (list(range(nsplits)) if narrow else [])
+        if splits > 1 and full:
+            rows_used.append((first, first + 64 * m_tiles * splits))
+        if narrow and nsplits > 1:
+            narrow_used.append((nfirst, nfirst + 16 * nsplits))
+    for used, cap in ((rows_used, s["rows_cap"]), (narrow_used, s["narrow_rows_cap"])):
+        used.sort()
+        assert all(a[1] <= c[0] for a, c in zip(used, used[1:])) and (not used or used[-1][1] <= cap)
+
+
+def test_the_skewed_batch_is_cut_by_each_request_s_own_length(schedule):
+    # kernels/NOTES.md: 1 x 128K + 15 x 2K, budgets 16/64/128 in turn, H = 8, an H100's 132 SMs: the host plan takes one
+    # split for every request and the 128K request's row tiles run its whole range each
+    budgets = [17, 65, 129]
+    reqs = [(131072, 17)] + [(2048, budgets[(i + 1) % 3]) for i in range(15)]
+    s, = schedule([(reqs, 8, 132)])
+    _check(reqs, 8, 132, s)
+    assert s["splits"] == 1 and s["requests"][0][0] >= 16  # the long request cut many ways, the short ones
+    assert all(r[0] <= 2 for r in s["requests"][1:])
+    ideal = max(sum(_sched_costs(reqs, s)) / 132, max(_sched_costs(reqs, s)))
+    mine, host = _makespan(_sched_costs(reqs, s), 132), _makespan(_host_costs(reqs, 8, s), 132)
+    assert host > 8 * mine and mine < 1.5 * ideal, (mine, host, ideal)
+    assert [b for b, _, _ in s["units"][:2 * s["requests"][0][0]]] == [0] * (2 * s["requests"][0][0])  # longest first
+
+
+def test_random_batches_are_covered_once_and_balanced(schedule):
+    import random
+    rng = random.Random(20261206)
+    batches = []
+    for _ in range(400):
+        B = rng.choice([1, 2, 3, 8, 16, 33, 64, 256])
+        heads = rng.choice([1, 8, 16, 64, 128])
+        sms = rng.choice([8, 132, 188])
+        long_tail = rng.random() < 0.5
+        reqs = [(rng.choice([rng.randrange(0, 4096), rng.randrange(0, 262144)]) if long_tail
+                 else rng.randrange(0, 65536), rng.choice([1, 2, 17, 33, 65, 129, rng.randrange(1, 1026)]))
+                for _ in range(B)]
+        batches.append((reqs, heads, sms))
+    worse = []
+    for (reqs, heads, sms), s in zip(batches, schedule(batches)):
+        _check(reqs, heads, sms, s)
+        mine, host = _makespan(_sched_costs(reqs, s), sms), _makespan(_host_costs(reqs, heads, s), sms)
+        ideal = max(sum(_sched_costs(reqs, s)) / sms, max(_sched_costs(reqs, s)))
+        # within the model: no worse than the host plan's CTAs on the same lengths by more than a wave's rounding
+        if mine > 1.25 * host:
+            worse.append((len(reqs), heads, sms, mine / host))
+        assert mine <= 2.5 * ideal + 1, (reqs[:4], heads, sms, mine, ideal)
+    assert len(worse) <= len(batches) // 50, worse[:10]
+
+
+def test_uniform_batches_at_the_bounds_need_no_schedule_but_one_fits(schedule):
+    # the kernels run the host plan there (schedule.cuh); the schedule's own choice still fits the launch's caps
+    for shape, _ in TARGETS.items():
+        batch, T, heads, kv, sms = shape
+        reqs = [(kv - T, T)] * batch
+        s, = schedule([(reqs, heads, sms)])
+        _check(reqs, heads, sms, s)

@@ -65,11 +65,21 @@ def test_an_h100_plans_the_h200s_grids(library):
     assert got == H200_TARGETS
 
 
-def workspace_bytes(splits: int, narrow_splits: int, batch: int, rows: int) -> int:
-    """fp32 partial O and its lse per split: the full tiles' for every row (padded to 256 B), then the narrow tiles'
-    for 16 rows per request; none for a part of one split."""
-    full = -(-splits * batch * rows * 513 // 64) * 64 if splits > 1 else 0
-    return 4 * (full + (narrow_splits * batch * 16 * 513 if narrow_splits > 1 else 0))
+def workspace_bytes(splits: int, narrow_splits: int, batch: int, rows: int, sms: int = 132) -> int:
+    """kernels/include/kdev/flash_plan.cuh's layout, derived again: the schedule (16 B, 16 per request, per full-tile CTA
+    and per narrow CTA), then fp32 partial O and LSE rows for the full-tile CTAs (64 per row tile x split of every
+    request, or two waves of CTAs' worth with one split) and the narrow ones (16 per narrow CTA), parts 256-byte aligned.
+    The grids: the host plan's full-tile CTAs or one per SM, whichever is more; its narrow CTAs."""
+    def align(n):
+        return -(-n // 256) * 256
+    m_tiles = -(-rows // 64)
+    narrow = 1 if narrow_splits else 0
+    units = max(batch * (m_tiles - narrow) * splits, sms)
+    narrow_units = batch * narrow_splits
+    full_rows = 64 * (batch * m_tiles * splits if splits > 1 else min(units, 2 * sms))
+    head = align(16 + 16 * batch + 16 * units + 16 * narrow_units)
+    full = align(full_rows * 513 * 4)
+    return align(head + full + 16 * narrow_units * 513 * 4)
 
 
 def test_the_sm120_plan_takes_the_lockstep_kernels_within_99_kb(library):
@@ -165,7 +175,7 @@ def test_cli_table_json_and_bad_input(both_archs):
     r = runner.invoke(app, ["plan", "--gpu", "h200", "--library", lib], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "flash plan on NVIDIA H200 (sm_90, 132 SMs" in r.output and "teams_kernel 190,464 B" in r.output
-    assert "up to 32.0 MiB" in r.output
+    assert "up to 35.4 MiB" in r.output
     r = runner.invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--library", lib, "--shape", "B=2,L=4096,N=16,H=16",
                             "--json"])
     assert r.exit_code == 0, r.output

@@ -150,7 +150,12 @@ class TorchFlexRunner(Runner):
     into one sequence and its queries into another (at construction, as the other torch peers gather), and a block
     mask that lets a query row see its own request's prefix and its tree ancestors (document masking); one latent KV
     head shared by the query heads (enable_gqa). Compiled on a GPU (torch.compile: the fused kernel), eager on the CPU.
-    On a GPU whose compiled kernel cannot take 576-wide rows, the run reports the error (a peer that raises)."""
+    The compiled kernel's own tile choice at 576-wide rows asks for more shared memory than a Hopper SM has (428 KB on
+    an H100): when the first call fails, it is compiled again with each tile of SMALL_TILES in turn, as a user would
+    pass them, and the one that compiles is recorded as `tiles`; if none does, the run reports the last error."""
+
+    # (BLOCK_M, BLOCK_N, stages): Q 32 x 576, K 32 x 576 and V 32 x 512 bf16 in one stage are ~104 KB
+    SMALL_TILES = ((64, 32, 1), (32, 32, 1), (32, 16, 1), (16, 16, 1))
 
     def __init__(self, x):
         import torch
@@ -190,15 +195,43 @@ class TorchFlexRunner(Runner):
             self.aux = None
         self.out = torch.empty(n, H, LATENT_DIM, dtype=x.q.dtype, device=dev)
         self.lse = torch.empty(n, H, dtype=torch.float32, device=dev)
+        self.kernel_options, self.tiles, self.compiled = None, None, dev.type != "cuda"
 
-    def run(self) -> None:
+    def _call(self):
+        extra = {"kernel_options": self.kernel_options} if self.kernel_options else {}
         if self.aux is not None:
             o, aux = self.fn(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True,
-                             return_aux=self.aux)
-            lse = aux.lse
-        else:  # a torch from before return_aux
-            o, lse = self.fn(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True,
-                             return_lse=True)
+                             return_aux=self.aux, **extra)
+            return o, aux.lse
+        # a torch from before return_aux
+        return self.fn(self.q, self.k, self.v, block_mask=self.block_mask, scale=self.scale, enable_gqa=True,
+                       return_lse=True, **extra)
+
+    def _first_call(self):
+        import torch
+
+        try:
+            return self._call()
+        except Exception as first:  # noqa: BLE001 - the compiler's errors have no common base
+            error = first
+        for bm, bn, stages in self.SMALL_TILES:
+            torch._dynamo.reset()  # a failed compile is cached per call site: start clean
+            self.kernel_options = {"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": stages}
+            try:
+                res = self._call()
+            except Exception as e:  # noqa: BLE001
+                error = e
+                continue
+            self.tiles = f"{bm}x{bn}x{stages}"
+            return res
+        raise error
+
+    def run(self) -> None:
+        if not self.compiled:
+            o, lse = self._first_call()
+            self.compiled = True
+        else:
+            o, lse = self._call()
         self.out.copy_(o[0].permute(1, 0, 2))
         self.lse.copy_(lse[0].permute(1, 0))
 

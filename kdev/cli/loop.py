@@ -97,7 +97,8 @@ def verify_cmd(
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
     kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
-                                    "flash call run by the kernels that fit sm_120's shared memory); ddtree, accept, compact; "
+                                    "flash call run by the kernels that fit sm_120's shared memory), flash-scheduled and "
+                                    "flash-portable-scheduled (the same on the device schedule); ddtree, accept, compact; "
                                     "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
                                     "revision, a .patch of kernels/), compared with the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
@@ -161,11 +162,13 @@ def verify_cmd(
 def bench_cmd(
     ctx: typer.Context,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in configs/bench.yaml: smoke (the "
-                                        "default), targets, small-trees, ddtree, tree-kernels, grid."),
+                                        "default), targets, engine, small-trees, ddtree, tree-kernels, grid."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
-                                          "flash, flash-portable, naive, triton, torch-eager, torch-sdpa, torch-flex, and for the "
+                                          "flash, flash-portable, flash-scheduled, flash-portable-scheduled (the device "
+                                          "schedule, made in each timed call), naive, triton, torch-eager, torch-sdpa, "
+                                          "torch-flex, and for the "
                                           "tree-kernels sweep ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
                                           "a copy of kernels/, a git revision or a .patch of kernels/)."),

@@ -9,36 +9,39 @@ namespace kdtree {
 namespace {
 
 // Merge split partials: lse = ln sum_s exp(lse_s); out = sum_s exp(lse_s - lse) * O_s. One CTA per row: CTA
-// (r, b) is row r of request b, of the full tiles' part of the workspace (num_splits partials) or, in the request's
-// narrow last tile where there is a narrow kernel (narrow_splits > 0), of the narrow tiles' part; a row whose part has
-// one split was written by its tile's kernel. Warp 0 turns the splits' LSEs (at most kMaxSplits) into weights in
-// shared memory; then kGroups groups of 128 threads each sum every kGroups-th split's partial over 4 columns per
-// thread (their addresses depend on nothing loaded, so several loads are in flight), and group 0 adds the groups'
-// sums in order. Every reduction has a fixed order (the butterflies give every lane the same bits): the same output
-// on every run.
+// (r, b) is row r of request b, of the full tiles' part of the workspace or, in the request's narrow last tile where
+// there is a narrow kernel, of the narrow tiles' part, with the split counts of the host plan or the schedule
+// (schedule.cuh); a row whose part has one split was written by its tile's kernel. Warp 0 turns the splits' LSEs (at
+// most kMaxSplits) into weights in shared memory; then kGroups groups of 128 threads each sum every kGroups-th split's
+// partial over 4 columns per thread (their addresses depend on nothing loaded, so several loads are in flight), and
+// group 0 adds the groups' sums in order. Every reduction has a fixed order (the butterflies give every lane the same
+// bits): the same output on every run. Every CTA waits for the kernel before it (griddepcontrol.wait), the ones with
+// nothing to merge too: the call ends only when the kernels before it have.
 // (The first form, one 128-thread CTA per row walking the splits with each load behind the previous one's
 // weight, took 10-20 µs per call at the target shapes: NOTES.md.)
 constexpr int kCombineColumnThreads = KDTREE_V_DIM / 4;  // 128: 4 value columns each
 
 template <int kGroups>
 __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
-    verify_attn_combine_kernel(VerifyAttnParams p, int num_splits, int narrow_splits) {
-  // which part holds the row: the call's inputs only, read before the wait
+    verify_attn_combine_kernel(VerifyAttnParams p, FlashLaunch l) {
+  // the call's inputs, read before the wait; the schedule after it
   const int b = blockIdx.y, r = blockIdx.x;
   const auto [H, q0, T, R] = request_rows(p, b);
-  if (r >= R) return;  // this request has fewer rows than the largest one
+  wait_primary_grids();  // launched programmatically behind the flash kernels: their writes complete and visible
+  if (r >= R) return;    // this request has fewer rows than the largest one
+  const RequestPlan plan = request_plan(p, l, !l.scheduled, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;
-  const SplitPartials part = narrow_splits > 0 && R - row0 <= kNarrowRows && r >= row0
-                                 ? narrow_partials(p, num_splits, 0, narrow_splits, b, q0, row0)
-                                 : full_partials(p, 0, num_splits);
+  const bool narrow = plan.narrow_splits > 0 && R - row0 <= kNarrowRows;  // the request's tail is the narrow kernel's
+  const SplitPartials part = narrow && r >= row0
+                                 ? narrow_partials(p, l, 0, plan.narrow_splits, plan.first_narrow_row, q0, row0)
+                                 : full_partials(p, l, 0, plan.splits, plan.first_row, q0, R);
   if (part.splits == 1) return;
-  wait_primary_grids();  // launched programmatically behind the flash kernel: its writes complete and visible
   __shared__ float weight[kMaxSplits];
   __shared__ float row_lse;
   __shared__ float4 group_sum[kGroups > 1 ? kGroups - 1 : 1][kCombineColumnThreads];
   const size_t grow = (size_t)q0 * H + r;
   const size_t rows_total = part.rows, row = (size_t)((long long)grow + part.shift);
-  num_splits = part.splits;
+  const int num_splits = part.splits;
   const float* ws_o = part.o;
   const float* ws_lse = part.lse;
   if (threadIdx.x < 32) {

@@ -38,12 +38,24 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.f;  // log2 units: the reference max may lag a row's max by up to 2^8
 
+// Where a CTA's rows go: with one split (splits == 1), bf16 out and lse at the row's own index grow; else split
+// `split`'s fp32 partial in one part of the workspace (flash_plan.cuh's layout): values at o + (split rows + prow) 512,
+// LSE at lse[split rows + prow], for the part's row prow = grow + shift.
+struct SplitPartials {
+  float* o;
+  float* lse;
+  size_t rows;
+  long long shift;
+  int split, splits;
+};
+
 // The 128-byte swizzle repeats every 1,024 B: the storage starts on a 1,024-byte boundary.
 // The lockstep kernels (a block barrier per tile; every kernel on sm_120, the cp.async kernels everywhere).
 struct __align__(1024) SharedStorage {
   __nv_bfloat16 kv[2][kBoxes][kBlockN][kBoxDims];  // 73,728 B: double-buffered KV tile, boxes, chunks swizzled
   float4 s_part[1][kWarps][4][32];                 // 16,384 B: each warp's half-dim partial scores, fragment order
   uint64_t landed[2];                              // TMA: one mbarrier per KV buffer
+  int4 work;  // the CTA's split, split count and first partial row, for the epilogue (in registers, the loop spilled)
 };
 constexpr int kSmemBytes = (int)sizeof(SharedStorage);
 
@@ -285,32 +297,25 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], RowSoftmax& st, 
   exp_scores(s, st, pf);
 }
 
-// Where a CTA's rows go: with one split (splits == 1), bf16 out and lse at the row's own index grow; else split
-// `split`'s fp32 partial in one part of the workspace (flash_plan.cuh): values at o + (split rows + prow) 512, LSE at
-// lse[split rows + prow], for the part's row prow = grow + shift.
-struct SplitPartials {
-  float* o;
-  float* lse;
-  size_t rows;
-  long long shift;
-  int split, splits;
-};
-
-// The full row tiles' part: every row of the call, at its own index.
-__device__ __forceinline__ SplitPartials full_partials(const VerifyAttnParams& p, int split, int num_splits) {
-  const size_t rows = (size_t)p.total_q * p.num_heads;
-  float* o = static_cast<float*>(p.workspace);
-  return {o, o + (size_t)num_splits * rows * KDTREE_V_DIM, rows, 0, split, num_splits};
+// The full row tiles' part: request b (first node q0, R rows) has splits x its row tiles x 64 rows from its first
+// partial row on (flash_plan.cuh; a tail the narrow kernel takes keeps its rows here unused).
+__device__ __forceinline__ SplitPartials full_partials(const VerifyAttnParams& p, const FlashLaunch& l, int split,
+                                                       int splits, int first_row, int q0, int R) {
+  const FlashWorkspace w = flash_workspace(p.batch, l);
+  unsigned char* ws = static_cast<unsigned char*>(p.workspace);
+  const int full = (R + kBlockM - 1) / kBlockM;
+  return {reinterpret_cast<float*>(ws + w.full_o), reinterpret_cast<float*>(ws + w.full_lse), (size_t)kBlockM * full,
+          (long long)first_row - (long long)q0 * p.num_heads, split, splits};
 }
 
-// The narrow tiles' part, after the full tiles' (whose split count is num_splits): request b's narrow tile, rows
-// [row0, R) of the request whose first node is q0, at rows b x 16 + [0, R - row0).
-__device__ __forceinline__ SplitPartials narrow_partials(const VerifyAttnParams& p, int num_splits, int split,
-                                                         int narrow_splits, int b, int q0, int row0) {
-  const size_t rows = (size_t)p.batch * kNarrowRows;
-  float* o = static_cast<float*>(p.workspace) + flash_full_partials_floats(num_splits, (size_t)p.total_q * p.num_heads);
-  const long long shift = (long long)b * kNarrowRows - ((long long)q0 * p.num_heads + row0);
-  return {o, o + (size_t)narrow_splits * rows * KDTREE_V_DIM, rows, shift, split, narrow_splits};
+// The narrow tiles' part: request b's narrow tile, rows [row0, R) of the request whose first node is q0, at its first
+// narrow partial row on, 16 per split.
+__device__ __forceinline__ SplitPartials narrow_partials(const VerifyAttnParams& p, const FlashLaunch& l, int split,
+                                                         int splits, int first_row, int q0, int row0) {
+  const FlashWorkspace w = flash_workspace(p.batch, l);
+  unsigned char* ws = static_cast<unsigned char*>(p.workspace);
+  return {reinterpret_cast<float*>(ws + w.narrow_o), reinterpret_cast<float*>(ws + w.narrow_lse), (size_t)kNarrowRows,
+          (long long)first_row - ((long long)q0 * p.num_heads + row0), split, splits};
 }
 
 // One output row of an epilogue: this thread's NT pairs of O values (pair nt at value column col0 + (nt / 2) kStride

@@ -11,21 +11,21 @@ namespace {
 
 template <bool kTensorCopy>
 __global__ void __launch_bounds__(kThreads, 1)
-    verify_attn_flash_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
-                             const __grid_constant__ CUtensorMap kv_map) {
+    verify_attn_flash_kernel(VerifyAttnParams p, FlashLaunch l, const __grid_constant__ CUtensorMap kv_map) {
   if (!has_body<kTensorCopy>()) return;
   SharedStorage& sm = shared_storage();
 
-  const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const FullWork work = full_work(p, l);  // (request, row tile, split) of the host plan or the schedule
+  if (work.b < 0) return;                 // a CTA past this call's work
+  const int m_tile = work.m_tile, b = work.b;
+  if (threadIdx.x == 0) sm.work = make_int4(work.split, work.splits, work.first_row, 0);
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = m_tile * kBlockM;
-  if (row0 >= R) return;  // this request has fewer row tiles than the largest one
-  if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
   // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
   // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
   // spent while the last tiles run.
   launch_dependents();
-  const KvSplit kv = kv_split(p, b, T, split, num_splits);
+  const KvSplit kv = kv_split(p, b, T, work.split, work.splits);
   const int L = kv.L, kv_begin = kv.begin, kv_end = kv.end;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned kv_smem = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0]));
   const unsigned landed = static_cast<unsigned>(__cvta_generic_to_shared(&sm.landed[0]));
   init_landed_barriers<kTensorCopy>(landed);
+  __syncthreads();  // sm.work written
   auto load_tile = [&](int buf, int start) {
     load_kv_tile<kTensorCopy>(src_kv, &kv_map, kv_smem, landed, kv_end, warp, lane, buf, start);
   };
@@ -113,7 +114,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   reduce_row_sums(st);
-  store_rows(p, o, st, q0, H, R, r_lo, c, tig, full_partials(p, split, num_splits));
+  const int4 w = sm.work;
+  store_rows(p, o, st, q0, H, R, r_lo, c, tig, full_partials(p, l, w.x, w.y, w.z, q0, R));
 }
 
 }  // namespace

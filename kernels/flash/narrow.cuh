@@ -184,20 +184,22 @@ __device__ __forceinline__ void narrow_rows(const VerifyAttnParams& p, Storage& 
 
 template <bool kTensorCopy, bool kTeams>
 __global__ void __launch_bounds__(kThreads, 1)
-    verify_attn_flash_narrow_kernel(VerifyAttnParams p, int num_splits, int narrow_splits,
-                                    const __grid_constant__ CUtensorMap kv_map) {
+    verify_attn_flash_narrow_kernel(VerifyAttnParams p, FlashLaunch l, const __grid_constant__ CUtensorMap kv_map) {
   launch_dependents();  // the combine kernel behind this one may launch once every CTA of this grid has started
   if (!has_body<kTensorCopy, kTeams>()) return;
   using Storage = std::conditional_t<kTeams, TeamsStorage, SharedStorage>;
   Storage& sm = shared_storage<Storage>();
-  const int split = blockIdx.x, b = blockIdx.y;
-  const auto [H, q0, T, R] = request_rows(p, b);
-  const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
-  if (R > 0 && R - row0 <= kNarrowRows) {
-    const KvSplit kv = kv_split(p, b, T, split, narrow_splits);
-    const int L = kv.L, kv_begin = kv.begin, kv_end = kv.end;
-    narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end,
-                                     narrow_partials(p, num_splits, split, narrow_splits, b, q0, row0));
+  const NarrowWork work = narrow_work(p, l);  // (request, split) of the host plan or the schedule
+  if (work.b >= 0) {
+    const int b = work.b;
+    const auto [H, q0, T, R] = request_rows(p, b);
+    const int row0 = (R - 1) / kBlockM * kBlockM;  // the request's last row tile
+    if (R > 0 && R - row0 <= kNarrowRows) {
+      const KvSplit kv = kv_split(p, b, T, work.split, work.splits);
+      const int L = kv.L, kv_begin = kv.begin, kv_end = kv.end;
+      narrow_rows<kTensorCopy, kTeams>(p, sm, &kv_map, b, q0, H, R, row0, L, kv_begin, kv_end,
+                                       narrow_partials(p, l, work.split, work.splits, work.first_row, q0, row0));
+    }
   }
   // Launched behind the full-tile kernel (programmatically), and the combine kernel behind this one waits only for
   // this grid: so this grid completes only after that one has, and its writes are visible.

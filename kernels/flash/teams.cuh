@@ -98,16 +98,16 @@ __device__ __forceinline__ void store_team_rows(const VerifyAttnParams& p, const
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    verify_attn_flash_teams_kernel(VerifyAttnParams p, int num_splits, int narrow_elsewhere,
-                                   const __grid_constant__ CUtensorMap kv_map) {
+    verify_attn_flash_teams_kernel(VerifyAttnParams p, FlashLaunch l, const __grid_constant__ CUtensorMap kv_map) {
   if (!has_body<true, true>()) return;  // no teams body on sm_120 (TeamsStorage does not fit a block there)
   TeamsStorage& sm = shared_storage<TeamsStorage>();
 
-  const int m_tile = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const FullWork work = full_work(p, l);  // (request, row tile, split) of the host plan or the schedule
+  if (work.b < 0) return;                 // a CTA past this call's work
+  const int m_tile = work.m_tile, b = work.b, split = work.split, num_splits = work.splits;
+  const int first_row = work.first_row;
   const auto [H, q0, T, R] = request_rows(p, b);
   const int row0 = m_tile * kBlockM;
-  if (row0 >= R) return;  // this request has fewer row tiles than the largest one
-  if (narrow_elsewhere && R - row0 <= kNarrowRows) return;  // verify_attn_flash_narrow_kernel's
   // The kernel behind this one (the narrow or the combine kernel) may launch once every CTA of this grid has
   // started (or exited): its CTAs then take each SM this grid leaves, so the launch gap between the kernels is
   // spent while the last tiles run.
@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     team_pv_tile<true>(o, sm, kv_smem + prev_buf * kBufBytes + v_lane_off, team, gid, tig, lane, prev_it & 1,
                        start - kBlockN, kv_end);
   }
-  store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig, full_partials(p, split, num_splits));
+  store_team_rows(p, o, sm, q0, H, R, row0, team, gid, q, tig,
+                  full_partials(p, l, split, num_splits, first_row, q0, R));
 }
 
 }  // namespace

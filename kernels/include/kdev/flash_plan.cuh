@@ -166,15 +166,293 @@ inline FlashSplitPlan plan_flash_splits(int batch, int max_qlen, int heads, int 
   return plan;
 }
 
-// The split partials in the caller's workspace (fp32): the full row tiles' [num_splits][rows][512] values, then their
-// [num_splits][rows] LSEs, padded to 256 B; then the narrow tiles' [narrow_splits][batch x 16][512] and
-// [narrow_splits][batch x 16] (row b x 16 + i: row i of request b's narrow tile). A part whose split count is 1 is
-// empty (those rows are written to out directly). Counts of floats.
-KDTREE_HOST_DEVICE inline size_t flash_full_partials_floats(int num_splits, size_t rows) {
-  return num_splits > 1 ? ((size_t)num_splits * rows * (KDTREE_V_DIM + 1) + 63) / 64 * 64 : 0;
-}
-KDTREE_HOST_DEVICE inline size_t flash_narrow_partials_floats(int narrow_splits, int batch) {
-  return narrow_splits > 1 ? (size_t)narrow_splits * batch * kNarrowRows * (KDTREE_V_DIM + 1) : 0;
+// ---- The device schedule: split counts from each request's own lengths.
+// The plan above sees the launch's bounds only (the longest prefix and the largest tree, as if every request had them),
+// so a skewed batch (one 128K request beside fifteen 2K ones) is split as sixteen long ones, and a CUDA graph replays
+// the plan of its capture at every later length. So a one-CTA schedule kernel, first in the call, reads prefix_lens and
+// q_indptr on the GPU and cuts each request's KV range by its own length; the kernels read their work from the table it
+// writes into the workspace. Its arithmetic is here, plain integer host-device code (the same choice on the CPU and the
+// GPU; tests/test_flash_plan.py checks it on random batches). Where every request has the bounds' lengths (the host plan
+// is then exact) the schedule kernel writes the host plan's table. The schedule is a call of its own
+// (kdtree_flash_schedule): it depends on the lengths only, so an engine makes it once per decoding step and every
+// layer's scheduled verify call (kdtree_verify_attn_flash_scheduled) reads it; the plain call runs the host plan.
+constexpr int kScheduleMaxBatch = 256;  // the schedule kernel keeps a few ints per request in shared memory
+
+// What the flash kernels are launched with: the host plan (its split counts and full row tiles per request, for the
+// batches that run it) and the grids, which bound the schedule too.
+struct FlashLaunch {
+  int scheduled;              // 1: the kernels read their work from the schedule in the workspace; 0: the host plan
+  int splits, narrow_splits;  // the host plan's; narrow_splits 0: no narrow kernel
+  int full_tiles, row_tiles;  // full row tiles per request at the bounds (max_qlen), and all its row tiles
+  int sm_count;               // the SMs the schedule is cut for (the plan's: plan_sm_count where set)
+  int units, narrow_units;    // the full-tile and narrow kernels' grids (CTAs)
+  int rows, narrow_rows;      // partial rows in the workspace: 64 per full CTA, 16 per narrow CTA
+};
+// The launch from the host plan. Plain: its grids and partial rows. Scheduled: the narrow grid is the host plan's; the
+// full-tile grid the host plan's or one CTA per SM, whichever is more (the CTAs past the schedule's find no work and
+// take the SMs it leaves idle, at once, beside one wave: more would queue behind it and hold the narrow kernel's
+// start); partial rows the host plan's, else (one split) two waves of full-tile CTAs' worth; 16 per narrow CTA.
+inline FlashLaunch flash_launch(const FlashSplitPlan& plan, int batch, int max_qlen, int heads, int sm_count,
+                                bool scheduled) {
+  const FlashShape f = flash_shape(max_qlen, heads, max_qlen);
+  const long host_units = (long)batch * f.full * plan.num_splits, host_narrow = (long)batch * plan.narrow_splits;
+  const long host_rows = plan.num_splits > 1 ? (long)batch * f.num_m_tiles * plan.num_splits : 0;
+  FlashLaunch l{scheduled ? 1 : 0, plan.num_splits, plan.narrow_splits, (int)f.full, f.num_m_tiles, sm_count, 0, 0, 0, 0};
+  if (!scheduled) {
+    l.units = (int)(host_units > 0 ? host_units : 1);
+    l.narrow_units = (int)host_narrow;
+    l.rows = (int)(kBlockM * host_rows);
+    l.narrow_rows = plan.narrow_splits > 1 ? (int)(kNarrowRows * host_narrow) : 0;
+    return l;
+  }
+  const long units = host_units > sm_count ? host_units : sm_count;
+  l.units = (int)units;
+  l.narrow_units = (int)host_narrow;
+  l.rows = (int)(kBlockM * (host_rows > 0 ? host_rows : (units < 2L * sm_count ? units : 2L * sm_count)));
+  l.narrow_rows = (int)(kNarrowRows * host_narrow);
+  return l;
 }
 
+// One request as the schedule sees it: its KV length (prefix + tree), its row tiles, whether the last is a tail of at
+// most 16 rows (the narrow kernel's, where the schedule gives it narrow CTAs; else a full-tile CTA computes it).
+struct ScheduleRequest {
+  int kv_len, row_tiles, tail;
+};
+KDTREE_HOST_DEVICE inline ScheduleRequest schedule_request(int prefix_len, int qlen, int heads) {
+  const int rows = qlen * heads, m_tiles = (rows + kBlockM - 1) / kBlockM;
+  return {prefix_len + qlen, m_tiles, rows > 0 && rows - (m_tiles - 1) * kBlockM <= kNarrowRows ? 1 : 0};
+}
+// The most splits a KV range may take: 256 tokens each at least, and what the combine holds.
+KDTREE_HOST_DEVICE inline int schedule_max_splits(int kv_len) {
+  const int by_len = (kv_len + 255) / 256;
+  return by_len < 1 ? 1 : (by_len < kMaxSplits ? by_len : kMaxSplits);
+}
+// Candidate k cuts the longest range (kv_max tokens) into k splits and every other range in proportion (rounded up):
+// chunks of about kv_max / k tokens everywhere, as far as each range's own bound allows. A request's narrow tile takes
+// that count times the narrow multiplier, the most that keeps every tail within the narrow grid (short CTAs: the narrow
+// kernel starts behind the full tiles and must end near them; half the count instead was 9 % further from the ideal
+// on the model's random batches).
+KDTREE_HOST_DEVICE inline int schedule_splits(int k, int kv_len, int kv_max) {
+  const int s = (k * kv_len + kv_max - 1) / kv_max;  // < 2^31: k <= 128, kv_len <= KDTREE_MAX_PREFIX + KDTREE_MAX_QLEN
+  const int most = schedule_max_splits(kv_len);
+  return s < 1 ? 1 : (s > most ? most : s);
+}
+// A split's length as the kernels cut it (split_chunk), in tokens; a CTA's time in tokens: its chunk plus a fixed cost
+// worth 6 KV tiles (as flash_split_cost counts), half the chunk for a narrow tile.
+KDTREE_HOST_DEVICE inline long long schedule_chunk(int kv_len, int splits) {
+  const int chunk = (kv_len + splits - 1) / splits;
+  return (chunk + kBlockN - 1) / kBlockN * kBlockN;
+}
+KDTREE_HOST_DEVICE inline long long schedule_unit_cost(int kv_len, int splits) {
+  return schedule_chunk(kv_len, splits) + 6 * kBlockN;
+}
+KDTREE_HOST_DEVICE inline long long schedule_narrow_unit_cost(int kv_len, int narrow_splits) {
+  return schedule_chunk(kv_len, narrow_splits) / 2 + 6 * kBlockN;
+}
+// A request's full-tile CTAs per split and whether its tail goes to the narrow kernel: there where the launch has one
+// and every tail's splits fit its grid (the multiplier `narrow` > 0), else the tail is a full-tile CTA's.
+KDTREE_HOST_DEVICE inline int schedule_full_tiles(const ScheduleRequest& r, int narrow) {
+  return r.row_tiles - (r.tail && narrow > 0 ? 1 : 0);
+}
+KDTREE_HOST_DEVICE inline int schedule_narrow_splits(int splits, int narrow, int kv_len) {
+  const int sn = splits * narrow, most = schedule_max_splits(kv_len);
+  return sn < most ? sn : most;
+}
+// The splits the tails would take at candidate k, over requests b0, b0 + step, ... (summed by the caller), and the
+// narrow multiplier it leaves (0: the tails run as full-tile CTAs).
+template <typename Request>
+KDTREE_HOST_DEVICE inline long schedule_tail_splits(int k, int b0, int step, int batch, int kv_max, Request&& request) {
+  long n = 0;
+  for (int b = b0; b < batch; b += step) {
+    const ScheduleRequest r = request(b);
+    if (r.tail) n += schedule_splits(k, r.kv_len, kv_max);
+  }
+  return n;
+}
+KDTREE_HOST_DEVICE inline int schedule_narrow(long tail_splits, const FlashLaunch& l) {
+  if (l.narrow_units <= 0 || tail_splits > l.narrow_units) return 0;
+  return tail_splits > 0 ? (int)(l.narrow_units / tail_splits) : 1;
+}
+
+// Candidate k's model time (tokens). The time is the largest of: the work over the SMs; the waves of the largest CTAs
+// (those over half the largest CTA's time cannot share an SM's span with another): exact waves for a uniform batch, and
+// for a skewed one the long request's waves with the short requests' CTAs filling the SMs beside them; and the narrow
+// kernel's end. Infeasible (time = -1) where the CTAs or partial rows exceed the launch's. The sums run over requests b0,
+// b0 + step, ... (the schedule kernel gives each candidate several threads) and merge by schedule_merge.
+struct ScheduleSums {
+  long long work, narrow_work, largest, narrow_largest;  // tokens: CTAs' time summed, the largest CTA's
+  long units, narrow_units, rows, big;  // rows: full-tile partial rows (requests of > 1 split: all their row tiles')
+};
+template <typename Request>
+KDTREE_HOST_DEVICE inline ScheduleSums schedule_sums(int k, int narrow, int b0, int step, int batch, int kv_max,
+                                                     Request&& request) {
+  ScheduleSums t{};
+  for (int b = b0; b < batch; b += step) {
+    const ScheduleRequest r = request(b);
+    const int s = schedule_splits(k, r.kv_len, kv_max), f = schedule_full_tiles(r, narrow);
+    const int sn = schedule_narrow_splits(s, narrow, r.kv_len);
+    const long long c = schedule_unit_cost(r.kv_len, s), cn = schedule_narrow_unit_cost(r.kv_len, sn);
+    t.units += (long)f * s;
+    t.work += (long long)f * s * c;
+    if (s > 1) t.rows += (long)kBlockM * r.row_tiles * s;
+    if (f > 0 && c > t.largest) t.largest = c;
+    if (r.tail && narrow) {
+      t.narrow_units += sn;
+      t.narrow_work += (long long)sn * cn;
+      if (cn > t.narrow_largest) t.narrow_largest = cn;
+    }
+  }
+  return t;
+}
+// The CTAs over half of `largest` (the whole batch's largest CTA time), over the same requests.
+template <typename Request>
+KDTREE_HOST_DEVICE inline long schedule_big(int k, int narrow, int b0, int step, int batch, int kv_max,
+                                            long long largest, Request&& request) {
+  long big = 0;
+  for (int b = b0; b < batch; b += step) {
+    const ScheduleRequest r = request(b);
+    const int s = schedule_splits(k, r.kv_len, kv_max), f = schedule_full_tiles(r, narrow);
+    const int sn = schedule_narrow_splits(s, narrow, r.kv_len);
+    if (f > 0 && 2 * schedule_unit_cost(r.kv_len, s) > largest) big += (long)f * s;
+    if (r.tail && narrow && 2 * schedule_narrow_unit_cost(r.kv_len, sn) > largest) big += sn;
+  }
+  return big;
+}
+KDTREE_HOST_DEVICE inline ScheduleSums schedule_merge(ScheduleSums a, const ScheduleSums& b) {
+  a.work += b.work, a.narrow_work += b.narrow_work;
+  a.largest = a.largest > b.largest ? a.largest : b.largest;
+  a.narrow_largest = a.narrow_largest > b.narrow_largest ? a.narrow_largest : b.narrow_largest;
+  a.units += b.units, a.narrow_units += b.narrow_units, a.rows += b.rows, a.big += b.big;
+  return a;
+}
+KDTREE_HOST_DEVICE inline long long schedule_largest(const ScheduleSums& t) {
+  return t.largest > t.narrow_largest ? t.largest : t.narrow_largest;
+}
+KDTREE_HOST_DEVICE inline long long schedule_time(const ScheduleSums& t, int sm_count, const FlashLaunch& l) {
+  if (t.units > l.units || t.narrow_units > l.narrow_units || t.rows > l.rows) return -1;
+  const long long spread = (t.work + t.narrow_work + sm_count - 1) / sm_count;
+  const long long waves = schedule_largest(t) * ((t.big + sm_count - 1) / sm_count);
+  // The narrow kernel starts once every full-tile CTA has: on the SMs the full tiles leave free from the start, else
+  // (or if that is later) as the full tiles' work is spread, its largest CTA last.
+  long long tail = 0;
+  if (t.narrow_units) {
+    tail = (t.work + sm_count - 1) / sm_count + t.narrow_largest;
+    if (t.units < sm_count) {
+      const long free = sm_count - t.units;
+      const long long beside = t.narrow_largest * ((t.narrow_units + free - 1) / free);
+      tail = beside < tail ? beside : tail;
+    }
+  }
+  const long long most = spread > waves ? spread : waves;
+  return most > tail ? most : tail;
+}
+template <typename Request>
+inline long long schedule_cost(int k, int batch, int kv_max, int sm_count, const FlashLaunch& l, Request&& request) {
+  const int narrow = schedule_narrow(schedule_tail_splits(k, 0, 1, batch, kv_max, request), l);
+  ScheduleSums t = schedule_sums(k, narrow, 0, 1, batch, kv_max, request);
+  t.big = schedule_big(k, narrow, 0, 1, batch, kv_max, schedule_largest(t), request);
+  return schedule_time(t, sm_count, l);
+}
+// The choice among candidates 1..kMaxSplits (1 always fits the grids): the least time, and of the candidates within
+// 0.1 % of it the smallest k (the fewest splits: fewer partials to merge). Two reductions, so the schedule kernel can
+// weigh every candidate in a thread of its own and take the same k as this loop.
+KDTREE_HOST_DEVICE inline bool schedule_near(long long time, long long least) {
+  return time >= 0 && time * 1000 <= least * 1001;
+}
+template <typename Request>
+inline int schedule_choice(int batch, int kv_max, int sm_count, const FlashLaunch& l, Request&& request) {
+  long long times[kMaxSplits], least = -1;
+  for (int k = 1; k <= kMaxSplits; ++k) {
+    times[k - 1] = schedule_cost(k, batch, kv_max, sm_count, l, request);
+    if (times[k - 1] >= 0 && (least < 0 || times[k - 1] < least)) least = times[k - 1];
+  }
+  for (int k = 1; k <= kMaxSplits; ++k)
+    if (schedule_near(times[k - 1], least)) return k;
+  return 1;
+}
+
+// The order the CTAs take their work: the requests by their CTAs' time, longest first (so the hardware's in-order CTA
+// dispatch is a longest-first list schedule; ties by request index), and inside a request split by split, the row
+// tiles of a split next to each other (they read the same KV range at once, from L2). key: a CTA's time (0 for a
+// request with no such CTA); the rank of request b among `batch`.
+template <typename Key>
+KDTREE_HOST_DEVICE inline int schedule_rank(int b, int batch, Key&& key) {
+  const long long kb = key(b);
+  int rank = 0;
+  for (int i = 0; i < batch; ++i) {
+    const long long ki = key(i);
+    rank += ki > kb || (ki == kb && i < b);
+  }
+  return rank;
+}
+
+// The schedule for a batch, on the host (the schedule kernel computes the same in parallel): the split factor, each
+// request's split counts (narrow 0: its tail, if any, is a full-tile CTA's) and first partial rows, and the CTAs' work
+// in dispatch order. For the test and for reports.
+struct HostSchedule {
+  int k;
+  int splits[kScheduleMaxBatch], narrow_splits[kScheduleMaxBatch];
+  long first_row[kScheduleMaxBatch], first_narrow_row[kScheduleMaxBatch];
+  long units, narrow_units;
+};
+template <typename Request, typename Unit, typename NarrowUnit>
+inline void schedule_host(int batch, int sm_count, const FlashLaunch& l, Request&& request, HostSchedule& out,
+                          Unit&& unit, NarrowUnit&& narrow_unit) {
+  int kv_max = 1;
+  for (int b = 0; b < batch; ++b) kv_max = request(b).kv_len > kv_max ? request(b).kv_len : kv_max;
+  out.k = schedule_choice(batch, kv_max, sm_count, l, request);
+  const int narrow = schedule_narrow(schedule_tail_splits(out.k, 0, 1, batch, kv_max, request), l);
+  long row = 0, narrow_row = 0;
+  int full[kScheduleMaxBatch];
+  for (int b = 0; b < batch; ++b) {
+    const ScheduleRequest r = request(b);
+    full[b] = schedule_full_tiles(r, narrow);
+    out.splits[b] = schedule_splits(out.k, r.kv_len, kv_max);
+    out.narrow_splits[b] = r.tail && narrow ? schedule_narrow_splits(out.splits[b], narrow, r.kv_len) : 0;
+    out.first_row[b] = row, out.first_narrow_row[b] = narrow_row;
+    if (out.splits[b] > 1) row += (long)kBlockM * r.row_tiles * out.splits[b];
+    if (out.narrow_splits[b] > 1) narrow_row += (long)kNarrowRows * out.narrow_splits[b];
+  }
+  auto full_key = [&](int b) { return full[b] > 0 ? schedule_unit_cost(request(b).kv_len, out.splits[b]) : 0LL; };
+  auto narrow_key = [&](int b) {
+    return out.narrow_splits[b] ? schedule_narrow_unit_cost(request(b).kv_len, out.narrow_splits[b]) : 0LL;
+  };
+  int order[kScheduleMaxBatch], narrow_order[kScheduleMaxBatch];
+  for (int b = 0; b < batch; ++b) {
+    order[schedule_rank(b, batch, full_key)] = b;
+    narrow_order[schedule_rank(b, batch, narrow_key)] = b;
+  }
+  out.units = out.narrow_units = 0;
+  for (int i = 0; i < batch; ++i) {
+    const int b = order[i], f = full[b];
+    for (int u = 0; u < f * out.splits[b]; ++u) unit(out.units++, b, u % f, u / f);
+  }
+  for (int i = 0; i < batch; ++i) {
+    const int b = narrow_order[i];
+    for (int u = 0; u < out.narrow_splits[b]; ++u) narrow_unit(out.narrow_units++, b, u);
+  }
+}
+
+// The workspace, byte offsets: the schedule's counts (4 ints: full CTAs, narrow CTAs, k, 0), one int4 per request
+// (full splits, narrow splits, its first full and first narrow partial row), one int4 per full CTA (request, row tile,
+// split, 0) and per narrow CTA (request, split, 0, 0), in the order the CTAs take them; then the split partials in fp32:
+// the full row tiles' rows x 512 values and rows LSEs, the narrow tiles' the same, each part on a 256-byte boundary.
+// A request's split s of row r (of its full-tile CTAs) is partial row first + s x 64 x row tiles + r; of its narrow
+// tile, row first_narrow + s x 16 + (r - the tile's first row).
+struct FlashWorkspace {
+  size_t requests, units, narrow_units, full_o, full_lse, narrow_o, narrow_lse, bytes;
+};
+KDTREE_HOST_DEVICE inline size_t flash_align256(size_t n) { return (n + 255) / 256 * 256; }
+KDTREE_HOST_DEVICE inline FlashWorkspace flash_workspace(int batch, const FlashLaunch& l) {
+  FlashWorkspace w{};  // a plain launch's has no schedule: its partials alone (none with one split: no workspace)
+  w.requests = l.scheduled ? 16 : 0;
+  w.units = w.requests + (l.scheduled ? (size_t)batch * 16 : 0);
+  w.narrow_units = w.units + (l.scheduled ? (size_t)l.units * 16 : 0);
+  w.full_o = flash_align256(w.narrow_units + (l.scheduled ? (size_t)l.narrow_units * 16 : 0));
+  w.full_lse = w.full_o + (size_t)l.rows * KDTREE_V_DIM * sizeof(float);
+  w.narrow_o = flash_align256(w.full_lse + (size_t)l.rows * sizeof(float));
+  w.narrow_lse = w.narrow_o + (size_t)l.narrow_rows * KDTREE_V_DIM * sizeof(float);
+  w.bytes = flash_align256(w.narrow_lse + (size_t)l.narrow_rows * sizeof(float));
+  return w;
+}
 }  // namespace kdtree

@@ -92,7 +92,7 @@ typedef struct VerifyAttnParams {
   const uint64_t* tree_mask;
   void* out;
   float* lse;
-  void* workspace;       /* flash split-KV partials; NULL when the planned split count is 1 */
+  void* workspace;       /* flash calls: kdtree_verify_attn_workspace_size bytes (ABI 4: the schedule and partials) */
   size_t workspace_bytes;
 } VerifyAttnParams;
 
@@ -146,7 +146,7 @@ typedef struct CompactParams {
 
 /* ------------------------------------------------------------------------------------------- entry points */
 /* Library facts. */
-int kdtree_abi_version(void);            /* 3 */
+int kdtree_abi_version(void);            /* 4 */
 size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
 int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
 const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
@@ -156,7 +156,13 @@ const char* kdtree_build_info(void);     /* provenance JSON: git sha and dirty f
 int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);           /* the naive oracle */
 int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);     /* tensor cores, split-KV */
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t stream); /* sm_120's kernels */
-int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes);
+/* The device schedule (ABI 4): split counts from each request's own lengths, made on the GPU into the workspace; then any
+ * number of scheduled calls with the same lengths (every layer of a decoding step) read it. A plain call runs the host
+ * plan, made from the bounds (max_kv_len, max_qlen) alone. */
+int kdtree_flash_schedule(const VerifyAttnParams* p, kdtree_stream_t stream);
+int kdtree_verify_attn_flash_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
+int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
+int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes); /* covers every call above */
 int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits);
 
 /* The flash call's plan and launches, asked without a GPU. */

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kdev/flash_plan.cuh"
 #include "kdev/kdtree.h"
 
 #ifdef __CUDACC__
@@ -12,10 +13,11 @@ namespace kdtree {
 // Internal launchers (capi.cu validates before calling them).
 cudaError_t launch_verify_attn_naive(const VerifyAttnParams& p, cudaStream_t stream);
 struct FlashPlan {
-  int num_m_tiles;    // ceil(max_qlen * num_heads / 64)
-  int num_splits;     // KV splits per (request, full row tile)
-  int narrow_splits;  // KV splits of a request's narrow last row tile (<= 16 rows); 0: no narrow kernel
-  size_t workspace_bytes;
+  int num_m_tiles;               // ceil(max_qlen * num_heads / 64)
+  FlashLaunch launch;            // the plain call: the host plan's split counts (narrow 0: no narrow kernel), grids
+  FlashLaunch scheduled;         // the scheduled call's (and the schedule kernel's)
+  size_t plain_workspace_bytes;  // what the plain call needs (its partials; 0: none)
+  size_t workspace_bytes;        // what the schedule and the scheduled call need, which covers the plain call's
 };
 // The flash call's plan for a launch's shape bounds (VerifyAttnParams' batch, total_q, num_heads, max_qlen, max_kv_len)
 // on a GPU of sm_count SMs: plain host arithmetic, so that kdtree_flash_plan reports it without a GPU.
@@ -35,8 +37,10 @@ struct FlashKernels {
   int narrow_smem;
 };
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable);
-// portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU.
-cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable,
+// portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU; scheduled: the
+// kernels read their work from the schedule that launch_flash_schedule wrote into the workspace before.
+cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
                                      cudaStream_t stream);
+cudaError_t launch_flash_schedule(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream);
 }  // namespace kdtree
 #endif
