@@ -53,8 +53,11 @@
 // * Split-KV: when batch x row tiles cannot fill the GPU, each request's KV range is cut into equal
 //   chunks; each split writes fp32 partial O (normalised) and its LSE to the caller's workspace and a
 //   combine kernel merges them weighted by exp(lse_s - lse), launched programmatically on sm_90+ behind the
-//   last of the kernels above so that its launch overlaps the last tiles. The split count depends only on the
-//   shapes, and every reduction runs in a fixed order: the same inputs give the same bits on every run.
+//   last of the kernels above so that its launch overlaps the last tiles. The grids are 1-D: a plain call's CTA
+//   decodes its (request, split, row tile) from its index as the host plan lays them out (one split count for every
+//   request, from the bounds); a scheduled call's CTA reads it from the table the schedule kernel wrote
+//   (flash/schedule.cuh: each request cut by its own length, the longest first). The split counts depend only on
+//   the shapes or the lengths, and every reduction runs in a fixed order: the same inputs give the same bits.
 // mma.sync m16n8k16 / m16n8k8 bf16 -> fp32, ldmatrix, cp.async: all available on sm_80+ (no wgmma).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

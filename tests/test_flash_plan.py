@@ -125,7 +125,7 @@ int main() {
       max_kv = prefix[b] + qlen[b] > max_kv ? prefix[b] + qlen[b] : max_kv;
     }
     const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(B, max_q, H, max_kv, sms);
-    const kdtree::FlashLaunch l = kdtree::flash_launch(host, B, max_q, H, sms);
+    const kdtree::FlashLaunch l = kdtree::flash_launch(host, B, max_q, H, sms, true);  // the scheduled call's
     auto request = [&](int b) { return kdtree::schedule_request(prefix[b], qlen[b], H); };
     std::vector<int> units, narrow;
     kdtree::schedule_host(B, sms, l, request, sch,
