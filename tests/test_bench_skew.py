@@ -99,3 +99,44 @@ def test_the_flex_peer_matches_the_float64_reference_on_the_cpu():
         flipped.run()
     moved = (flipped.out.float() - r.out.float()).abs().amax(dim=(1, 2)) > 1e-3
     assert moved.nonzero().flatten().tolist() == [sizes[0] + 3]
+
+
+# ---- replays at a capture's bounds (the replay sweep)
+def replay():
+    return bench.expand(bench.load_bench(), "replay", None, None)
+
+
+def test_a_captured_shape_is_made_with_the_capture_s_bounds_and_its_twin_joins_the_sweep():
+    shapes = replay()
+    s = shapes[0]
+    assert s.name == "B1-L32768-N64-H8-p64-C131072/128" and s.bounds == (131072 + 129, 129)
+    assert s.own().name == "B1-L32768-N64-H8-p64" and s.own().bounds is None
+    names = {x.name for x in shapes}
+    assert all(x.own().name in names for x in shapes if x.capture)
+    x, sizes, lens = runners.make_inputs(s, seed=5, device="cpu")
+    assert (x.max_kv_len, x.max_qlen) == s.bounds and max(sizes) <= 65
+    # the call's contract at those bounds: page table, pool and mask rows as wide as they need
+    assert x.page_table.shape[1] * 64 >= x.max_kv_len and x.kv_cache.shape[0] * 64 >= x.max_kv_len
+    assert x.tree_mask.shape[1] >= -(-x.max_qlen // 64)
+    own, own_sizes, _ = runners.make_inputs(s.own(), seed=5, device="cpu")
+    assert own_sizes == sizes and (own.max_kv_len, own.max_qlen) == (32768 + max(sizes), max(sizes))
+
+
+@pytest.mark.parametrize("capture,match", [("131072", "PREFIX/BUDGET"), ("1000/128", "smaller than the batch"),
+                                           ("131072/8", "smaller than the batch"), ("999999/64", "out of range")])
+def test_a_capture_that_cannot_hold_the_batch_is_refused(capture, match):
+    with pytest.raises(BadInput, match=match):
+        bench.expand(bench.load_bench(), None, ["B=1,L=32768,N=64,H=8"], [f"capture={capture}"])
+
+
+def test_a_replay_is_judged_against_its_twin():
+    from kdev.bench.verdicts import CAPTURE_BOUND, judge_capture
+
+    s = replay()[0]
+    rows = [{"shape": x.name, "backend": "flash-scheduled", "axes": dataclasses.asdict(x),
+             "timing": {"median_us": t}} for x, t in ((s, 104.0), (s.own(), 100.0))]
+    (k,) = judge_capture(rows)
+    assert (k["ratio"], k["within"], k["own_shape"]) == (1.04, True, s.own().name)
+    rows[0]["timing"]["median_us"] = 100.0 * (1 + CAPTURE_BOUND) + 1
+    assert not judge_capture(rows)[0]["within"]
+    assert judge_capture(rows[:1]) == []  # the twin not timed: no verdict

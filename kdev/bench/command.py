@@ -13,7 +13,7 @@ from kdev.bench.results import load_results, plot, write_csv
 from kdev.bench.run import run_bench, run_tree_bench
 from kdev.bench.runners import load_peer
 from kdev.bench.sweeps import ATTENTION_BACKENDS, TREE_BACKENDS, expand, load_bench
-from kdev.bench.verdicts import baseline_verdicts, judge_skew, judge_targets
+from kdev.bench.verdicts import baseline_verdicts, judge_capture, judge_skew, judge_targets
 from kdev.errors import BadInput
 
 
@@ -175,6 +175,9 @@ caller's: it writes the document it shows)."""
     skewed = judge_skew(doc["results"])
     if skewed:
         doc["skewed"] = skewed
+    captured = judge_capture(doc["results"])
+    if captured:
+        doc["captured"] = captured
     if o.csv_out:
         write_csv(o.csv_out, doc["results"])
     if o.plot_out:

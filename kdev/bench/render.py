@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kdev import report
-from kdev.bench.verdicts import SKEW_BOUND, speedups
+from kdev.bench.verdicts import CAPTURE_BOUND, SKEW_BOUND, speedups
 
 
 def verdict_mark(verdict: str):
@@ -124,6 +124,10 @@ def show_outcome(got, o, json_out: bool) -> int:
             line = (f"{k['shape']} / {k['backend']}: {k['batch_us']:,.1f} µs, its requests alone {alone} = "
                     f"{k['alone_sum_us']:,.1f} µs ({k['ratio']:.2f}x)")
             report.show(line) if k["within"] else report.warn(line + f": more than {100 * SKEW_BOUND:.0f}% over")
+        for k in doc.get("captured") or []:
+            line = (f"{k['shape']} / {k['backend']}: {k['replay_us']:,.1f} µs at capture {k['capture']}'s bounds, "
+                    f"{k['own_us']:,.1f} µs at its own ({k['ratio']:.2f}x)")
+            report.show(line) if k["within"] else report.warn(line + f": more than {100 * CAPTURE_BOUND:.0f}% over")
         for name, other in (doc["provenance"].get("libraries") or {}).items():  # KERNEL@REF: which build ran
             report.info(f"{name}: {other['library']} (sources {str(other['build_info'].get('source_hash', '?'))[:12]})")
         for r in doc["results"]:

@@ -39,19 +39,24 @@ def make_inputs(shape: Shape, seed: int, device):
     n_q = sum(sizes)
     q = torch.randn(n_q, shape.heads, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     pages = [-(-(L + t) // shape.page_size) for L, t in zip(spec.prefix_lens, sizes)]
-    num_pages = sum(pages)
+    # a replay at a capture's bounds: the page table and the pool as wide as those bounds need (the call's contract)
+    bound_pages = -(-shape.bounds[0] // shape.page_size) if shape.bounds else 0
+    num_pages = max(sum(pages), bound_pages)
     kv = torch.randn(num_pages, shape.page_size, QK_DIM, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     perm = torch.randperm(num_pages, generator=g, device=device).to(torch.int32)
-    page_table = torch.zeros(shape.batch, max(pages), dtype=torch.int32, device=device)
+    page_table = torch.zeros(shape.batch, max(*pages, bound_pages), dtype=torch.int32, device=device)
     off = 0
     for b, n in enumerate(pages):
         page_table[b, :n] = perm[off:off + n]
         off += n
     mask = torch.from_numpy(ddtree.batch_tree_mask(trees).view(np.int64)).to(device)
+    if shape.bounds and mask.shape[1] < -(-shape.bounds[1] // 64):  # mask rows as wide as the capture's largest tree
+        mask = torch.nn.functional.pad(mask, (0, -(-shape.bounds[1] // 64) - mask.shape[1]))
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32, device=device)
+    # the bounds the call is planned for: the batch's own, or those of the larger batch a graph was captured for
+    max_kv_len, max_qlen = shape.bounds or (max(L + t for L, t in zip(spec.prefix_lens, sizes)), max(sizes))
     x = abi.VerifyInputs(q, kv, page_table, torch.tensor(spec.prefix_lens, dtype=torch.int32, device=device), indptr,
-                         mask, load_model("kimi-k2.6").softmax_scale, max_qlen=max(sizes),
-                         max_kv_len=max(L + t for L, t in zip(spec.prefix_lens, sizes)))
+                         mask, load_model("kimi-k2.6").softmax_scale, max_qlen=max_qlen, max_kv_len=max_kv_len)
     return x, sizes, list(spec.prefix_lens)
 
 

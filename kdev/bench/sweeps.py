@@ -11,15 +11,15 @@ from kdev import cabi
 from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, TREE_KINDS, Tolerance, _Reader, load_yaml
 from kdev.errors import BadInput
 
-AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets")
-STRING_AXES = ("tree", "requests", "budgets")
+AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets", "capture")
+STRING_AXES = ("tree", "requests", "budgets", "capture")
 ATTENTION_BACKENDS = ("flash", "flash-portable", "flash-scheduled", "flash-portable-scheduled", "naive", "triton",
                       "torch-eager", "torch-sdpa", "torch-flex")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 # a backend's lse (fp32, natural log) against the naive oracle's, where the backend returns one
 PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)
 DEFAULT_AXES = {"batch": 1, "prefix": 32768, "budget": 64, "heads": 8, "page_size": 64, "tree": "ddtree",
-                "requests": "", "budgets": ""}
+                "requests": "", "budgets": "", "capture": ""}
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -28,7 +28,9 @@ class Shape:
     """One batch. A uniform one: `batch` requests of `prefix` tokens and a tree of `budget` nodes. A skewed one, as an
     engine makes them: `requests` COUNTxPREFIX groups joined by + (1x131072+15x2048) and `budgets` the trees' budgets
     (16/64/128) dealt to the requests in turn; batch, prefix and budget are then the count and the largest of each
-    (the bounds a launch is planned for)."""
+    (the bounds a launch is planned for). `capture` PREFIX/BUDGET: the call is made with the bounds of a larger batch
+    (max_kv_len PREFIX + BUDGET + 1, max_qlen BUDGET + 1), as a CUDA graph captured for that batch replays it here; such
+    a shape is judged against its twin planned for its own lengths (which joins the sweep)."""
 
     batch: int
     prefix: int
@@ -38,12 +40,27 @@ class Shape:
     tree: str = "ddtree"
     requests: str = ""
     budgets: str = ""
+    capture: str = ""
 
     @property
     def name(self) -> str:
         t = "" if self.tree == "ddtree" else f"-{self.tree}"
         skew = f"-R{self.requests}-N{self.budgets or self.budget}" if self.requests else ""
-        return f"B{self.batch}-L{self.prefix}-N{self.budget}-H{self.heads}-p{self.page_size}{t}{skew}"
+        cap = f"-C{self.capture}" if self.capture else ""
+        return f"B{self.batch}-L{self.prefix}-N{self.budget}-H{self.heads}-p{self.page_size}{t}{skew}{cap}"
+
+    @property
+    def bounds(self) -> tuple | None:
+        """(max_kv_len, max_qlen) of the capture this shape replays; None: its own."""
+        if not self.capture:
+            return None
+        prefix, budget = parse_capture(self.capture)
+        return prefix + budget + 1, budget + 1
+
+    def own(self) -> "Shape":
+        """The same batch planned for its own lengths (what a captured replay is judged against)."""
+        return Shape(self.batch, self.prefix, self.budget, self.heads, self.page_size, self.tree, self.requests,
+                     self.budgets)
 
     @property
     def T(self) -> int:
@@ -63,7 +80,7 @@ class Shape:
     def alone(self) -> list["Shape"]:
         """The distinct requests of a skewed batch, each as a batch of one (what the batch is judged against)."""
         pairs = dict.fromkeys(zip(self.prefix_lens, self.budget_list))
-        return [Shape(1, L, n, self.heads, self.page_size, self.tree) for L, n in pairs]
+        return [Shape(1, L, n, self.heads, self.page_size, self.tree, capture=self.capture) for L, n in pairs]
 
     def count(self, prefix: int, budget: int) -> int:
         return sum(1 for x in zip(self.prefix_lens, self.budget_list) if x == (prefix, budget))
@@ -78,6 +95,14 @@ def parse_requests(text: str) -> tuple:
             raise BadInput(f"requests {text!r}: {group!r} is not COUNTxPREFIX (e.g. 1x131072+15x2048)")
         out += [int(prefix)] * int(count)
     return tuple(out)
+
+
+def parse_capture(text: str) -> tuple:
+    """'131072/128' -> (131072, 128): the longest prefix and the largest budget a graph was captured for."""
+    prefix, sep, budget = str(text).partition("/")
+    if not (sep and prefix.isdigit() and budget.isdigit()):
+        raise BadInput(f"capture {text!r}: PREFIX/BUDGET, the bounds a graph was captured for (e.g. 131072/128)")
+    return int(prefix), int(budget)
 
 
 def parse_budgets(text: str) -> tuple:
@@ -150,6 +175,17 @@ def _make_shape(vals: dict, where: str) -> Shape:
             raise BadInput(f"{where}: shape {s.name} out of range: {problem}")
     if s.tree not in TREE_KINDS:
         raise BadInput(f"{where}: shape {s.name}: tree {s.tree!r} is not one of {'/'.join(TREE_KINDS)}")
+    if s.capture:
+        try:
+            prefix, budget = parse_capture(s.capture)
+        except BadInput as e:
+            raise BadInput(f"{where}: {e}") from None
+        if prefix < s.prefix or budget < s.budget:
+            raise BadInput(f"{where}: shape {s.name}: capture {s.capture} is smaller than the batch (prefix {s.prefix}, "
+                           f"budget {s.budget}): a graph replays batches within its capture's bounds")
+        problem = cabi.shape_problem(1, prefix, budget, s.heads, s.page_size)
+        if problem:
+            raise BadInput(f"{where}: capture {s.capture} out of range: {problem}")
     return s
 
 
@@ -286,5 +322,7 @@ def expand(cfg: BenchConfig, sweep: str | None, shape: list[str] | None, overrid
     if ov:
         rows = [{**r, **combo} for r in rows for combo in _product(ov)]
     shapes = [_make_shape(r, "--shape") for r in rows]
-    # a skewed batch is judged against its requests timed alone: they run in the same sweep, after it
-    return list(dict.fromkeys([*shapes, *(a for s in shapes if s.requests for a in s.alone())]))
+    # a skewed batch is judged against its requests timed alone, a captured replay against its twin planned for its own
+    # lengths: they run in the same sweep, after it
+    shapes = list(dict.fromkeys([*shapes, *(a for s in shapes if s.requests for a in s.alone())]))
+    return list(dict.fromkeys([*shapes, *(s.own() for s in shapes if s.capture)]))

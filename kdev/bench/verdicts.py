@@ -119,3 +119,27 @@ def judge_skew(results: list[dict]) -> list[dict]:
                      "ratio": batch / alone, "within": batch <= alone * (1 + SKEW_BOUND),
                      "alone": [{"shape": a.name, "count": n, "median_us": t} for a, n, t in parts]})
     return rows
+
+
+# How much slower a call may be at a capture's bounds than planned for its own lengths: past this it is reported (a
+# graph captured for the largest batch replays the plan of its capture at every smaller one).
+CAPTURE_BOUND = 0.05
+
+
+def judge_capture(results: list[dict]) -> list[dict]:
+    """Per shape made at a capture's bounds and backend: its median against its twin's, planned for its own lengths,
+    in the same run. None where the twin was not timed."""
+    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    rows = []
+    for r in results:
+        axes = r.get("axes") or {}
+        if not axes.get("capture") or (r["shape"], r["backend"]) not in timed:
+            continue
+        own = Shape(**{k: axes[k] for k in AXES if k in axes}).own()
+        if (own.name, r["backend"]) not in timed:
+            continue
+        replay, planned = timed[(r["shape"], r["backend"])], timed[(own.name, r["backend"])]
+        rows.append({"shape": r["shape"], "backend": r["backend"], "capture": axes["capture"], "replay_us": replay,
+                     "own_us": planned, "own_shape": own.name, "ratio": replay / planned,
+                     "within": replay <= planned * (1 + CAPTURE_BOUND)})
+    return rows

@@ -162,7 +162,7 @@ def verify_cmd(
 def bench_cmd(
     ctx: typer.Context,
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in configs/bench.yaml: smoke (the "
-                                        "default), targets, engine, small-trees, ddtree, tree-kernels, grid."),
+                                        "default), targets, engine, replay, small-trees, ddtree, tree-kernels, grid."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "

@@ -35,9 +35,10 @@ def _close(out, ref_out, lse, ref_lse, name):
 def test_skewed_batches_match_the_oracle_on_every_flash_call(lib, shape, bounds, seed):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU visible to torch")
-    x, sizes, prefix = make_inputs(shape, seed, torch.device("cuda"))
     if bounds == "larger":  # a graph captured at a larger batch's bounds replays the call with them
-        x = dataclasses.replace(x, max_qlen=x.max_qlen + 64, max_kv_len=x.max_kv_len + 5000)
+        shape = dataclasses.replace(shape, capture=f"{shape.prefix + 5000}/{shape.budget + 64}")
+    x, sizes, prefix = make_inputs(shape, seed, torch.device("cuda"))
+    assert (x.max_kv_len > max(L + t for L, t in zip(prefix, sizes))) == (bounds == "larger")
     ref_out, ref_lse = lib.run("naive", x)
     for kernel in abi.FLASH_KERNELS:
         out, lse = lib.run(kernel, x)
