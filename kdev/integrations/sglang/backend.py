@@ -111,7 +111,9 @@ class KdevVerifyBackend:
     fallback: the backend object the server would use (any attribute not defined here is the fallback's);
     req_to_token: SGLang's req_to_token table; page_size: the pool's tokens per page (kdev's page rule);
     max_context_len: the longest request the server takes (the bound of the plan under graphs);
-    num_draft: nodes per tree (speculative_num_draft_tokens); kernel: kdev's verify kernel (flash, flash-portable).
+    num_draft: nodes per tree (speculative_num_draft_tokens); kernel: kdev's verify kernel (flash, flash-portable, or
+    flash-scheduled / flash-portable-scheduled: split by each request's own length on the GPU, where the plain call
+    splits every request as one of max_context_len tokens, the bound a captured graph holds).
     """
 
     def __init__(self, fallback, req_to_token: torch.Tensor, page_size: int, max_context_len: int, num_draft: int,
