@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(kGroups * kCombineColumnThreads)
   const auto [H, q0, T, R] = request_rows(p, b);
   wait_primary_grids();  // launched programmatically behind the flash kernels: their writes complete and visible
   if (r >= R) return;    // this request has fewer rows than the largest one
+  if (l.scheduled && __ldcg(schedule_table(p, 0)).w != schedule_stamp(p, l)) return;  // no schedule: nothing written
   const RequestPlan plan = request_plan(p, l, !l.scheduled, b);
   const int row0 = (R - 1) / kBlockM * kBlockM;
   const bool narrow = plan.narrow_splits > 0 && R - row0 <= kNarrowRows;  // the request's tail is the narrow kernel's

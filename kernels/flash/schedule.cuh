@@ -34,6 +34,17 @@ __device__ __forceinline__ const int4* schedule_table(const VerifyAttnParams& p,
   return reinterpret_cast<const int4*>(static_cast<const unsigned char*>(p.workspace) + offset);
 }
 
+// What the schedule kernel stamps into the schedule's fourth int: its call's batch, bounds and grids, mixed. A
+// scheduled call reads no work from a workspace whose stamp differs (never scheduled, or scheduled for another call's
+// shapes): its CTAs find none, and its outputs stay as they were, not written from garbage. (A schedule made for other
+// lengths under the same shapes is the caller's error: kdtree.h says to make it again when the lengths change.)
+__device__ __forceinline__ int schedule_stamp(const VerifyAttnParams& p, const FlashLaunch& l) {
+  unsigned h = 2166136261u;
+  for (const int v : {p.batch, p.max_kv_len, p.max_qlen, p.num_heads, l.units, l.narrow_units, l.rows, l.sm_count})
+    h = (h ^ (unsigned)v) * 16777619u;
+  return (int)h;
+}
+
 // A request's split counts and first partial rows (flash_plan.cuh's workspace layout).
 struct RequestPlan {
   int splits, narrow_splits, first_row, first_narrow_row;
@@ -64,7 +75,8 @@ __device__ __forceinline__ FullWork full_work(const VerifyAttnParams& p, const F
     return {b, m_tile, rest / l.full_tiles, r.splits, r.first_row};
   }
   const FlashWorkspace w = flash_workspace(p.batch, l);
-  if (u >= __ldcg(schedule_table(p, 0)).x) return {-1, 0, 0, 0, 0};
+  const int4 head = __ldcg(schedule_table(p, 0));
+  if (u >= head.x || head.w != schedule_stamp(p, l)) return {-1, 0, 0, 0, 0};
   const int4 e = __ldcg(schedule_table(p, w.units) + u);
   const RequestPlan r = request_plan(p, l, false, e.x);
   return {e.x, e.y, e.z, r.splits, r.first_row};
@@ -83,7 +95,8 @@ __device__ __forceinline__ NarrowWork narrow_work(const VerifyAttnParams& p, con
     return {b, u % l.narrow_splits, r.narrow_splits, r.first_narrow_row};
   }
   const FlashWorkspace w = flash_workspace(p.batch, l);
-  if (u >= __ldcg(schedule_table(p, 0)).y) return {-1, 0, 0, 0};
+  const int4 head = __ldcg(schedule_table(p, 0));
+  if (u >= head.y || head.w != schedule_stamp(p, l)) return {-1, 0, 0, 0};
   const int4 e = __ldcg(schedule_table(p, w.narrow_units) + u);
   const RequestPlan r = request_plan(p, l, false, e.x);
   return {e.x, e.y, r.narrow_splits, r.first_narrow_row};
@@ -133,7 +146,7 @@ __device__ void write_host_schedule(const VerifyAttnParams& p, const FlashLaunch
   int4* narrow = reinterpret_cast<int4*>(ws + w.narrow_units);
   for (int u = threadIdx.x; u < narrow_units; u += blockDim.x)
     narrow[u] = make_int4(u / l.narrow_splits, u % l.narrow_splits, 0, 0);
-  if (threadIdx.x == 0) *reinterpret_cast<int4*>(ws) = make_int4(units, narrow_units, 0, 0);
+  if (threadIdx.x == 0) *reinterpret_cast<int4*>(ws) = make_int4(units, narrow_units, 0, schedule_stamp(p, l));
 }
 
 __global__ void __launch_bounds__(kScheduleThreads) flash_schedule_kernel(VerifyAttnParams p, FlashLaunch l) {
@@ -246,7 +259,7 @@ __global__ void __launch_bounds__(kScheduleThreads) flash_schedule_kernel(Verify
     records[b].x = splits[b];
     records[b].y = narrow_splits[b];
   }
-  if (tid == 0) *reinterpret_cast<int4*>(ws) = make_int4(counts[0], counts[1], chosen, 0);
+  if (tid == 0) *reinterpret_cast<int4*>(ws) = make_int4(counts[0], counts[1], chosen, schedule_stamp(p, l));
   int4* units = reinterpret_cast<int4*>(ws + w.units);
   for (int u = tid; u < counts[0]; u += kScheduleThreads) {
     int lo = 0, hi = B - 1;  // the last rank whose start is <= u

@@ -45,3 +45,21 @@ def test_skewed_batches_match_the_oracle_on_every_flash_call(lib, shape, bounds,
         _close(out, ref_out, lse, ref_lse, f"{kernel} {shape.name} bounds {bounds}")
         again, again_lse = lib.run(kernel, x)
         assert torch.equal(out, again) and torch.equal(lse, again_lse), f"{kernel}: not the same bits twice"
+
+
+def test_a_scheduled_call_on_a_workspace_never_scheduled_writes_nothing(lib, seed):
+    """The scheduled kernels read their work only from a schedule stamped for this call's shapes: on a NaN workspace
+    they find none, so the NaN-poisoned outputs stay NaN (and nothing is written from garbage), and the call succeeds."""
+    import ctypes
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible to torch")
+    x, sizes, _ = make_inputs(SHAPES[0], seed, torch.device("cuda"))
+    out, lse = lib.alloc_outputs(x)
+    p = lib.params(x, out, lse)
+    ws = lib.alloc_workspace("flash-scheduled", p, x.q.device)  # NaN-filled
+    fn = abi.VERIFY_KERNELS["flash-scheduled"]  # the call alone, without kdtree_flash_schedule before it
+    lib._status(fn, getattr(lib.lib, fn)(ctypes.byref(p), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
+    del ws

@@ -433,10 +433,11 @@ inline void schedule_host(int batch, int sm_count, const FlashLaunch& l, Request
   }
 }
 
-// The workspace, byte offsets: the schedule's counts (4 ints: full CTAs, narrow CTAs, k, 0), one int4 per request
-// (full splits, narrow splits, its first full and first narrow partial row), one int4 per full CTA (request, row tile,
-// split, 0) and per narrow CTA (request, split, 0, 0), in the order the CTAs take them; then the split partials in fp32:
-// the full row tiles' rows x 512 values and rows LSEs, the narrow tiles' the same, each part on a 256-byte boundary.
+// The workspace, byte offsets: the schedule's head (4 ints: full CTAs, narrow CTAs, k, its call's stamp), one int4 per
+// request (full splits, narrow splits, its first full and first narrow partial row), one int4 per full CTA (request,
+// row tile, split, 0) and per narrow CTA (request, split, 0, 0), in the order the CTAs take them; then the split
+// partials in fp32: the full row tiles' rows x 512 values and rows LSEs, the narrow tiles' the same, each part on a
+// 256-byte boundary.
 // A request's split s of row r (of its full-tile CTAs) is partial row first + s x 64 x row tiles + r; of its narrow
 // tile, row first_narrow + s x 16 + (r - the tile's first row).
 struct FlashWorkspace {

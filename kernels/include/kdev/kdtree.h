@@ -157,8 +157,10 @@ int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);      
 int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);     /* tensor cores, split-KV */
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t stream); /* sm_120's kernels */
 /* The device schedule (ABI 4): split counts from each request's own lengths, made on the GPU into the workspace; then any
- * number of scheduled calls with the same lengths (every layer of a decoding step) read it. A plain call runs the host
- * plan, made from the bounds (max_kv_len, max_qlen) alone. */
+ * number of scheduled calls with the same lengths (every layer of a decoding step) read it; make it again whenever
+ * prefix_lens or q_indptr change (a schedule for other lengths is not detected). A scheduled call on a workspace the
+ * schedule was not made in for these shapes writes nothing. A plain call runs the host plan, from the bounds
+ * (max_kv_len, max_qlen) alone. */
 int kdtree_flash_schedule(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
