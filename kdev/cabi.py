@@ -26,7 +26,7 @@ _SCALARS = {"uint32_t": ctypes.c_uint32, "int32_t": ctypes.c_int32, "uint64_t": 
             "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double, "size_t": ctypes.c_size_t}
 # out-parameters of the plan entry points, written through a pointer the caller passes with ctypes.byref
 _OUT_POINTERS = {"int": ctypes.c_int, "size_t": ctypes.c_size_t, "double": ctypes.c_double,
-                 "unsigned long long": ctypes.c_uint64}
+                 "unsigned long long": ctypes.c_uint64, "long long": ctypes.c_int64}
 
 
 class HeaderError(BadInput):
@@ -113,7 +113,7 @@ def _arg_type(decl: str, structs: dict, where: str):
         return ctypes.c_char_p
     if stars == 2 and base == "char":
         return ctypes.POINTER(ctypes.c_char_p)
-    if stars == 1 and base in (*_OUT_POINTERS, "unsigned long long") and "const" not in decl:
+    if stars == 1 and base in _OUT_POINTERS and "const" not in decl:
         return ctypes.POINTER(_OUT_POINTERS[base])
     if stars == 1:
         return ctypes.c_void_p  # a data pointer (device memory)

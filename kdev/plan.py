@@ -16,7 +16,8 @@ figures. What this module adds is arithmetic on that plan, each figure named for
 - KV read: every row tile's CTAs read the request's whole KV range (L2 -> SM traffic), against the KV in memory once.
 - floor: the larger of FLOPs over the GPU's mma.sync ceiling and bytes over its memory ceiling (as kdev bench).
 With costs, each plan also carries the planner's own model cost (kdtree_flash_split_cost) of its choices: per full-tile
-split count, the narrow split count the planner's rule would take with it.
+split count, the narrow split count the planner's rule would take with it. A skewed batch's plan carries the device
+schedule too (kdtree_flash_schedule_plan), what the scheduled calls run in place of the plain call's one split count.
 """
 
 from __future__ import annotations
@@ -209,6 +210,25 @@ class PlanLibrary:
             raise self._fail("kdtree_flash_launch_time")
         return out.value
 
+    def schedule_plan(self, shape: bench.Shape, sizes: list[int], gpu: GpuSpec) -> dict | None:
+        """The device schedule the scheduled calls would run for this batch (kdtree_flash_schedule_plan: the schedule
+        kernel's arithmetic on the host), its requests' trees `sizes` nodes each; None from a library without it."""
+        if not hasattr(self.lib, "kdtree_flash_schedule_plan"):
+            return None
+        B = shape.batch
+        prefix = (ctypes.c_int * B)(*shape.prefix_lens)
+        qlens = (ctypes.c_int * B)(*sizes)
+        splits, narrow = (ctypes.c_int * B)(), (ctypes.c_int * B)()
+        k, ctas, narrow_ctas, at_bounds = (ctypes.c_int() for _ in range(4))
+        tokens = ctypes.c_int64()
+        if self.lib.kdtree_flash_schedule_plan(B, shape.heads, gpu.sms, ctypes.addressof(prefix),
+                                               ctypes.addressof(qlens), ctypes.byref(k), splits, narrow,
+                                               ctypes.byref(ctas), ctypes.byref(narrow_ctas), ctypes.byref(tokens),
+                                               ctypes.byref(at_bounds)):
+            raise self._fail("kdtree_flash_schedule_plan")
+        return {"k": k.value, "splits": list(splits), "narrow_splits": list(narrow), "ctas": ctas.value,
+                "narrow_ctas": narrow_ctas.value, "model_tokens": tokens.value, "host_plan": bool(at_bounds.value)}
+
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
         return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable)
 
@@ -253,6 +273,7 @@ class ShapePlan:
     kv_read_bytes: int  # what the CTAs read of it (every row tile reads its request's range)
     floor_us: float | None
     bound: str
+    schedule: dict | None = None  # a skewed batch's device schedule (the scheduled calls'), from its requests' lengths
 
 
 def split_tiles(kv_len: int, splits: int) -> list[int]:
@@ -315,7 +336,8 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
         full_smem=k["full_smem"], narrow_kernel=k["narrow"] if narrow else None, ctas_per_sm=per_sm,
         full_ctas=full_ctas, narrow_ctas=narrow_ctas, waves=waves, slot_use=slot_use,
         row_use=rows / (full_tiles * BLOCK_M + narrow * NARROW_ROWS), kv_bytes=kv_bytes,
-        kv_read_bytes=kv_bytes * p["row_tiles"], floor_us=floor, bound=bound or "-")
+        kv_read_bytes=kv_bytes * p["row_tiles"], floor_us=floor, bound=bound or "-",
+        schedule=lib.schedule_plan(shape, [n + 1 for n in shape.budget_list], gpu) if shape.requests else None)
 
 
 def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash", costs: bool = False) -> dict:

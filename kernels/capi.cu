@@ -320,6 +320,46 @@ int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, do
   return KDTREE_OK;
 }
 
+// The device schedule the schedule kernel makes for these lengths (request b: prefix_lens[b] tokens and a tree of
+// qlens[b] nodes), on a GPU of sm_count SMs, the call's bounds from the lengths: the split factor k, each request's
+// full and narrow split counts (narrow 0: its tail, if any, runs as a full-tile CTA), the CTAs of each kernel and the
+// schedule's model time in tokens. The same integer arithmetic as the kernel (flash_plan.cuh), on the host; where every
+// request has the bounds' lengths the kernel writes the host plan instead (at_bounds = 1). Needs no GPU: `kdev plan`.
+int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int* prefix_lens, const int* qlens,
+                               int* k, int* splits, int* narrow_splits, int* ctas, int* narrow_ctas,
+                               long long* model_tokens, int* at_bounds) {
+  g_last_error[0] = '\0';
+  if (prefix_lens == nullptr || qlens == nullptr || k == nullptr || splits == nullptr || narrow_splits == nullptr ||
+      ctas == nullptr || narrow_ctas == nullptr || model_tokens == nullptr || at_bounds == nullptr)
+    return fail(KDTREE_ERR_INVALID, "a pointer argument is NULL");
+  if (batch < 1 || batch > kdtree::kScheduleMaxBatch)
+    return fail(KDTREE_ERR_INVALID, "batch %d outside 1..%d (the schedule's bound)", batch, kdtree::kScheduleMaxBatch);
+  if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
+  int max_qlen = 0, max_kv_len = 0, total_q = 0;
+  for (int b = 0; b < batch; ++b) {
+    if (prefix_lens[b] < 0 || prefix_lens[b] > KDTREE_MAX_PREFIX || qlens[b] < 1 || qlens[b] > KDTREE_MAX_QLEN)
+      return fail(KDTREE_ERR_INVALID, "request %d: prefix %d, tree %d outside the contract", b, prefix_lens[b],
+                  qlens[b]);
+    max_qlen = qlens[b] > max_qlen ? qlens[b] : max_qlen;
+    max_kv_len = prefix_lens[b] + qlens[b] > max_kv_len ? prefix_lens[b] + qlens[b] : max_kv_len;
+    total_q += qlens[b];
+  }
+  if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
+  const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count);
+  const kdtree::FlashLaunch l = kdtree::flash_launch(host, batch, max_qlen, num_heads, sm_count, true);
+  auto request = [&](int b) { return kdtree::schedule_request(prefix_lens[b], qlens[b], num_heads); };
+  static thread_local kdtree::HostSchedule s;
+  kdtree::schedule_host(batch, sm_count, l, request, s, [](long, int, int, int) {}, [](long, int, int) {});
+  *k = s.k;
+  for (int b = 0; b < batch; ++b) splits[b] = s.splits[b], narrow_splits[b] = s.narrow_splits[b];
+  *ctas = (int)s.units;
+  *narrow_ctas = (int)s.narrow_units;
+  *model_tokens = kdtree::schedule_cost(s.k, batch, max_kv_len, sm_count, l, request);
+  *at_bounds = 1;
+  for (int b = 0; b < batch; ++b) *at_bounds &= qlens[b] == max_qlen && prefix_lens[b] + qlens[b] == max_kv_len;
+  return KDTREE_OK;
+}
+
 // ------------------------------------------------------------------------------------------ DDTree kernels
 int kdtree_build_ddtree(const DDTreeBuildParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';

@@ -238,3 +238,24 @@ def _without_costs(init):
         init(self, path)
         self.has_costs = False
     return wrapped
+
+
+def test_a_skewed_batch_shows_the_device_schedule_beside_the_host_plan(library):
+    """kdev plan asks the library for the schedule the schedule kernel would make (kdtree_flash_schedule_plan, the same
+    integer arithmetic on the host): the 128K request of the engine sweep's batch cut many ways, the 2K ones not, where
+    the host plan gives every request one split."""
+    gpu = kplan.resolve_gpu("h100")
+    shapes = bench.expand(bench.load_bench(), "engine", None, None)
+    doc = kplan.plan(library, shapes, gpu)
+    skewed = [p for p in doc["plans"] if p["axes"]["requests"]]
+    assert skewed and all(p["schedule"] for p in skewed)
+    assert all(p["schedule"] is None for p in doc["plans"] if not p["axes"]["requests"])
+    first = skewed[0]
+    s = first["schedule"]
+    assert first["splits"] == 1 and s["k"] > 8 and s["splits"][0] == s["k"] and set(s["splits"][1:]) == {1}
+    assert not s["host_plan"] and s["ctas"] <= max(first["full_ctas"], gpu.sms)
+    # every request at the bounds: the kernel writes the host plan there, and says so
+    uniform = bench.Shape(batch=4, prefix=8192, budget=16, heads=8, requests="4x8192", budgets="16")
+    assert library.schedule_plan(uniform, [17] * 4, gpu)["host_plan"]
+    with pytest.raises(BadInput, match="batch 300 outside"):
+        library.schedule_plan(bench.Shape(batch=300, prefix=100, budget=4, heads=8, requests="300x100"), [5] * 300, gpu)

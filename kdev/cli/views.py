@@ -221,10 +221,37 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
             "the planner's model (KV tiles: the full tiles' waves, then the narrow CTAs on the SMs they leave, each CTA "
             "its tiles + 6; full/narrow splits: cost, over the cheapest)",
             ["shape", "taken", "cheapest four", "one split"], rows, {"left": ("shape", "taken", "cheapest four", "one split")}))
+    for p in doc["plans"]:  # a skewed batch: what the device schedule cuts, beside the host plan's one count
+        s = p.get("schedule")
+        if not s:
+            continue
+        counts: dict = {}
+        for L, n, a, b in zip(p["axes"] and _prefixes(p["axes"]), [x + 1 for x in _budgets(p["axes"])], s["splits"],
+                              s["narrow_splits"]):
+            counts.setdefault((L, n, a, b), 0)
+            counts[(L, n, a, b)] += 1
+        parts = ", ".join(f"{c} x ({L:,} + {n}: {a} split{'s' * (a > 1)}"
+                          + (f", tail {b} narrow" if b else "") + ")" for (L, n, a, b), c in counts.items())
+        report.show(f"{p['shape']}: the device schedule (flash-scheduled) takes k = {s['k']}: {parts}; "
+                    f"{s['ctas']} full-tile + {s['narrow_ctas']} narrow CTAs, model {s['model_tokens']:,} tokens a SM; "
+                    f"the host plan {p['splits']} split{'s' * (p['splits'] > 1)} for every request")
     big = doc["largest_workspace"]
     if big and big["bytes"]:
         report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "
                     f"({big['bytes']:,} B, at {big['shape']})")
+
+
+def _prefixes(axes: dict) -> tuple:
+    from kdev.bench.sweeps import parse_requests
+
+    return parse_requests(axes["requests"])
+
+
+def _budgets(axes: dict) -> tuple:
+    from kdev.bench.sweeps import Shape
+
+    return Shape(**{k: axes[k] for k in ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests",
+                                         "budgets") if k in axes}).budget_list
 
 
 def show_projection(doc: dict) -> None:

@@ -177,6 +177,9 @@ int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen,
                             int splits, int narrow_splits, double* cost);
 int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, double narrow_cta,
                              double narrow_cold_cta, int sm_count, double* time);
+int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int* prefix_lens, const int* qlens,
+                               int* k, int* splits, int* narrow_splits, int* ctas, int* narrow_ctas,
+                               long long* model_tokens, int* at_bounds);
 
 /* DDTree: tree build, greedy accept, KV compaction. */
 int kdtree_build_ddtree(const DDTreeBuildParams* p, kdtree_stream_t stream);
