@@ -49,18 +49,20 @@ def make_trees(spec: CaseSpec, rng: np.random.Generator):
     t = spec.tree
     for _ in spec.prefix_lens:
         if t.kind == "ddtree":
+            budget = int(rng.integers(1, t.budget + 1)) if t.ragged else t.budget  # ragged: each its own size
             root = int(rng.integers(0, t.vocab))
             dist = ddtree.synthetic_drafter(rng, t.depth, t.topk, t.vocab, t.sharpness, t.ties)
-            trees.append(ddtree.build_ddtree(dist, t.budget, root))
+            trees.append(ddtree.build_ddtree(dist, budget, root))
             dists.append(dist)
         else:
-            tokens = rng.integers(0, 32000, t.nodes)
+            nodes = int(rng.integers(1, t.nodes + 1)) if t.ragged else t.nodes
+            tokens = rng.integers(0, 32000, nodes)
             if t.kind == "chain":
-                trees.append(ddtree.chain_tree(t.nodes, tokens))
+                trees.append(ddtree.chain_tree(nodes, tokens))
             elif t.kind == "star":
-                trees.append(ddtree.star_tree(t.nodes, tokens))
+                trees.append(ddtree.star_tree(nodes, tokens))
             else:
-                trees.append(ddtree.random_tree(rng, t.nodes, tokens))
+                trees.append(ddtree.random_tree(rng, nodes, tokens))
     return trees, dists
 
 

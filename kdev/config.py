@@ -164,7 +164,8 @@ def load_model(name_or_path: str | Path) -> ModelConfig:
 @dataclass(frozen=True)
 class TreeSpec:
     """How a request's draft tree is made. ddtree uses budget/depth/topk/vocab/sharpness/ties;
-    chain, star and random use nodes (T, root included)."""
+    chain, star and random use nodes (T, root included). ragged: each request draws its own size, a budget in 1..budget
+    (nodes in 1..nodes), so one batch holds trees of different sizes as an engine's does."""
 
     kind: str
     nodes: int = 0
@@ -174,12 +175,14 @@ class TreeSpec:
     vocab: int = 0
     sharpness: float = 1.0
     ties: bool = False
+    ragged: bool = False
 
     def to_dict(self) -> dict:
+        ragged = {"ragged": True} if self.ragged else {}  # absent where false: the specs written before it read the same
         if self.kind == "ddtree":
             return dict(kind=self.kind, budget=self.budget, depth=self.depth, topk=self.topk, vocab=self.vocab,
-                        sharpness=self.sharpness, ties=self.ties)
-        return dict(kind=self.kind, nodes=self.nodes)
+                        sharpness=self.sharpness, ties=self.ties, **ragged)
+        return dict(kind=self.kind, nodes=self.nodes, **ragged)
 
 
 @dataclass(frozen=True)
@@ -241,9 +244,9 @@ def _tree_spec(r: _Reader) -> TreeSpec:
         topk = r.positive_int("topk", min(budget, vocab), maximum=vocab)
         spec = TreeSpec(kind, budget=budget, depth=depth, topk=topk, vocab=vocab,
                         sharpness=r.get("sharpness", float, 1.0, lambda v: v > 0, "must be > 0"),
-                        ties=r.get("ties", bool, False))
+                        ties=r.get("ties", bool, False), ragged=r.get("ragged", bool, False))
     else:
-        spec = TreeSpec(kind, nodes=r.positive_int("nodes", maximum=MAX_BUDGET + 1))
+        spec = TreeSpec(kind, nodes=r.positive_int("nodes", maximum=MAX_BUDGET + 1), ragged=r.get("ragged", bool, False))
     r.done()
     return spec
 

@@ -220,8 +220,8 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
 
 # ---------------------------------------------------------------------------------------------- fuzz
 def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: int) -> CaseSpec:
-    """A random case: DDTree or random/chain/star tree, ragged batch, shuffled pages, page size 1 or 64.
-    Sizes are log-uniform so that small edge cases and large ones both come up."""
+    """A random case: DDTree or random/chain/star tree, ragged batch (prefixes, and in half the cases tree sizes too),
+    shuffled pages, page size 1 or 64. Sizes are log-uniform so that small edge cases and large ones both come up."""
     batch = int(rng.choice([1, 1, 2, 3, 4, 8]))
 
     def loguni(hi):
@@ -232,9 +232,11 @@ def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: i
     if rng.random() < 0.5:
         budget = max(1, min(nodes - 1, 1024)) if nodes > 1 else 1
         tree = TreeSpec("ddtree", budget=budget, depth=int(rng.integers(1, 16)), topk=min(budget, 4000), vocab=4000,
-                        sharpness=float(rng.uniform(0.3, 3.0)), ties=bool(rng.random() < 0.3))
+                        sharpness=float(rng.uniform(0.3, 3.0)), ties=bool(rng.random() < 0.3),
+                        ragged=batch > 1 and bool(rng.random() < 0.5))
     else:
-        tree = TreeSpec(str(rng.choice(["random", "random", "chain", "star"])), nodes=nodes)
+        tree = TreeSpec(str(rng.choice(["random", "random", "chain", "star"])), nodes=nodes,
+                        ragged=batch > 1 and bool(rng.random() < 0.5))
     heads = int(rng.choice([1, 3, 8, 8, 16, 16, 20, 64]))
     if nodes * heads * batch > 65536:  # keep one case's reference and oracle runs around a second
         heads = max(1, 65536 // (nodes * batch))

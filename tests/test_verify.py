@@ -1,6 +1,7 @@
 """verify without a GPU: token-exact logic (ties, a wrong output that must fail), ledger atomicity under
 concurrent writers, and suites refused before anything runs."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -242,3 +243,22 @@ def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
     assert plan_target("96").label == "96 SMs"
     with pytest.raises(BadInput, match="--plan-gpu 0: an SM count must be >= 1"):
         plan_target("0")
+
+
+def test_fuzz_batches_hold_trees_of_different_sizes():
+    """Half the fuzz batches of more than one request give each request its own tree size, as an engine's batch holds
+    (a plain call's grid spans the largest tree: a smaller request's row tiles past its rows, and its narrow tail where
+    the largest has none, must be skipped, which batches of one tree size never test)."""
+    from kdev.config import TreeSpec
+
+    rng = np.random.default_rng(11)
+    specs = [verify.fuzz_spec(rng, f"f{i}", 4000, 300) for i in range(60)]
+    ragged = [s for s in specs if s.tree.ragged]
+    assert ragged and all(s.batch > 1 for s in ragged) and len(ragged) < len(specs)
+    spec = dataclasses.replace(ragged[0], tree=TreeSpec("random", nodes=70, ragged=True), heads=3,
+                               prefix_lens=(300, 40, 1000, 7))
+    case = cases.generate_case(spec)
+    sizes = np.diff(case.tensors["q_indptr"].numpy())
+    assert len(set(sizes.tolist())) > 1 and sizes.max() <= 70
+    assert case.tensors["tree_mask"].shape[0] == sizes.sum() and spec.tree.to_dict()["ragged"] is True
+    assert "ragged" not in TreeSpec("random", nodes=70).to_dict()  # the specs written before it read the same
