@@ -169,7 +169,7 @@ inline FlashSplitPlan plan_flash_splits(int batch, int max_qlen, int heads, int 
 // ---- The device schedule: split counts from each request's own lengths.
 // The plan above sees the launch's bounds only (the longest prefix and the largest tree, as if every request had them),
 // so a skewed batch (one 128K request beside fifteen 2K ones) is split as sixteen long ones, and a CUDA graph replays
-// the plan of its capture at every later length. So a one-CTA schedule kernel, first in the call, reads prefix_lens and
+// the plan of its capture at every later length. So a one-CTA schedule kernel reads prefix_lens and
 // q_indptr on the GPU and cuts each request's KV range by its own length; the kernels read their work from the table it
 // writes into the workspace. Its arithmetic is here, plain integer host-device code (the same choice on the CPU and the
 // GPU; tests/test_flash_plan.py checks it on random batches). Where every request has the bounds' lengths (the host plan
