@@ -203,8 +203,16 @@ class Library:
         return n.value
 
     # ----------------------------------------------------------------------------------------- calls
-    def call(self, kernel: str, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None) -> None:
-        """Launch one verify kernel on `stream` (default: the current torch stream). Asynchronous."""
+    def schedule(self, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None) -> None:
+        """Make the device schedule for p's lengths in p's workspace (kdtree_flash_schedule). Asynchronous."""
+        s = stream or torch.cuda.current_stream()
+        self._status("kdtree_flash_schedule", self.lib.kdtree_flash_schedule(ctypes.byref(p),
+                                                                             ctypes.c_void_p(s.cuda_stream)))
+
+    def call(self, kernel: str, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None,
+             schedule: bool = True) -> None:
+        """Launch one verify kernel on `stream` (default: the current torch stream). Asynchronous. A scheduled kernel
+        makes its schedule first unless `schedule` is false (the workspace already holds it for these lengths)."""
         if kernel not in VERIFY_KERNELS:
             raise AbiArgumentError(f"unknown verify kernel {kernel!r} (have {', '.join(VERIFY_KERNELS)})")
         if kernel not in self.kernels:
@@ -212,9 +220,8 @@ class Library:
                                    "older sources")
         fn = VERIFY_KERNELS[kernel]
         s = stream or torch.cuda.current_stream()
-        if kernel in SCHEDULED_KERNELS:
-            self._status("kdtree_flash_schedule", self.lib.kdtree_flash_schedule(ctypes.byref(p),
-                                                                                 ctypes.c_void_p(s.cuda_stream)))
+        if kernel in SCHEDULED_KERNELS and schedule:
+            self.schedule(p, s)
         self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
     def alloc_outputs(self, x: VerifyInputs):

@@ -72,6 +72,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
     import torch
 
     from kdev.abi import VERIFY_KERNELS
+    from kdev.bench.runners import LAYER_BACKENDS
     from kdev.compare import compare
 
     device, flush, nvml, handle, ident, ceil, l2 = _environment(cfg)
@@ -95,7 +96,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
             except Exception as e:
                 # A peer that fails (a Triton version that will not compile it, a --peer that raises) is reported
                 # and not ranked, and the run goes on. Our kernels' failures end it: a CUDA error is sticky.
-                if name in VERIFY_KERNELS or (others and name in others):
+                if name in VERIFY_KERNELS or name in LAYER_BACKENDS or (others and name in others):
                     raise
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 results.append(Result(shape.name, asdict(shape), name, flops, nbytes, floor, bound or "-", False,

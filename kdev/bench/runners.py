@@ -91,6 +91,22 @@ class AbiRunner(Runner):
         self.lib.call(self.kernel, self.p)
 
 
+class LayerRunner(AbiRunner):
+    """A scheduled call as each layer of a decoding step makes it: the schedule made once, before any timed call (the
+    lengths do not change between samples), each timed call the scheduled verify call alone."""
+
+    def __init__(self, lib, kernel: str, x):
+        super().__init__(lib, kernel, x)
+        lib.schedule(self.p)
+
+    def run(self) -> None:
+        self.lib.call(self.kernel, self.p, schedule=False)
+
+
+# the per-layer backends: the scheduled kernel each times without its schedule
+LAYER_BACKENDS = {"flash-scheduled-layer": "flash-scheduled", "flash-portable-scheduled-layer": "flash-portable-scheduled"}
+
+
 def _gathered(x):
     """Per request: contiguous K [S, 576] and the bool mask [T, S] (prefix all True, tree from the bits)."""
     import torch
@@ -294,6 +310,8 @@ def make_runner(name: str, x, lib, peers: dict, others: dict | None = None) -> R
 
     if name in VERIFY_KERNELS:
         return AbiRunner(lib, name, x)
+    if name in LAYER_BACKENDS:
+        return LayerRunner(lib, LAYER_BACKENDS[name], x)
     if others and name in others:  # KERNEL@REF
         other_lib, kernel = others[name]
         return AbiRunner(other_lib, kernel, x)

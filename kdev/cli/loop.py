@@ -167,7 +167,8 @@ def bench_cmd(
     axis: Optional[list[str]] = AxisOpt,
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
                                           "flash, flash-portable, flash-scheduled, flash-portable-scheduled (the device "
-                                          "schedule, made in each timed call), naive, triton, torch-eager, torch-sdpa, "
+                                          "schedule, made in each timed call; -layer: made once, as every layer of a "
+                                          "step reads it), naive, triton, torch-eager, torch-sdpa, "
                                           "torch-flex, and for the "
                                           "tree-kernels sweep ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
