@@ -80,7 +80,8 @@ def test_a_tests_seed_replays_from_the_run_seed_and_its_id():
 def test_the_bench_backends_are_the_verify_kernels_and_the_registered_runners():
     from kdev import abi
 
-    assert set(bench.ATTENTION_BACKENDS) == set(abi.VERIFY_KERNELS) | set(bench.RUNNERS)
+    assert set(bench.ATTENTION_BACKENDS) == set(abi.VERIFY_KERNELS) | set(bench.RUNNERS) | set(bench.LAYER_BACKENDS)
+    assert set(bench.LAYER_BACKENDS.values()) == set(abi.SCHEDULED_KERNELS)  # each times a scheduled kernel
 
 
 def test_no_bench_module_is_over_400_lines():
