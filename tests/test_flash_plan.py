@@ -43,17 +43,23 @@ int main(int argc, char**) {
 """
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory):
+def _compiled(tmp_path_factory, name: str, source: str) -> Path:
+    """`source` compiled for the host against kernels/include (skips where there is no C++ compiler)."""
     if CXX is None:
         pytest.skip("no C++ compiler on PATH")
-    d = tmp_path_factory.mktemp("flash_plan")
-    (d / "plan.cpp").write_text(PROGRAM)
-    subprocess.run([CXX, "-std=c++17", "-O1", f"-I{INCLUDE}", str(d / "plan.cpp"), "-o", str(d / "plan")],
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.cpp").write_text(source)
+    subprocess.run([CXX, "-std=c++17", "-O1", f"-I{INCLUDE}", str(d / f"{name}.cpp"), "-o", str(d / name)],
                    check=True, capture_output=True, text=True)
+    return d / name
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    exe = _compiled(tmp_path_factory, "flash_plan", PROGRAM)
 
     def run(shapes, exhaustive=False):
-        out = subprocess.run([str(d / "plan")] + (["exhaustive"] if exhaustive else []),
+        out = subprocess.run([str(exe)] + (["exhaustive"] if exhaustive else []),
                              input="".join(" ".join(map(str, s)) + "\n" for s in shapes),
                              check=True, capture_output=True, text=True).stdout
         rows = [tuple(map(int, line.split())) for line in out.splitlines()]
@@ -147,17 +153,12 @@ int main() {
 
 @pytest.fixture(scope="module")
 def schedule(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no C++ compiler on PATH")
-    d = tmp_path_factory.mktemp("flash_schedule")
-    (d / "schedule.cpp").write_text(SCHEDULE)
-    subprocess.run([CXX, "-std=c++17", "-O1", f"-I{INCLUDE}", str(d / "schedule.cpp"), "-o", str(d / "schedule")],
-                   check=True, capture_output=True, text=True)
+    exe = _compiled(tmp_path_factory, "flash_schedule", SCHEDULE)
 
     def run(batches):
         text = "".join(f"{len(reqs)} {heads} {sms}\n" + "".join(f"{L} {T}\n" for L, T in reqs)
                        for reqs, heads, sms in batches)
-        lines = iter(subprocess.run([str(d / "schedule")], input=text, check=True, capture_output=True,
+        lines = iter(subprocess.run([str(exe)], input=text, check=True, capture_output=True,
                                     text=True).stdout.splitlines())
         out = []
         for reqs, heads, sms in batches:

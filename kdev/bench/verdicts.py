@@ -100,16 +100,23 @@ def baseline_verdicts(current: list[dict], baseline: list[dict], min_rel: float 
 SKEW_BOUND = 0.10
 
 
+def _timed_with(results: list[dict], axis: str):
+    """The timed medians by (shape, backend), and each timed result whose shape sets `axis`, with its Shape."""
+    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    found = []
+    for r in results:
+        axes = r.get("axes") or {}
+        if axes.get(axis) and (r["shape"], r["backend"]) in timed:
+            found.append((r, Shape(**{k: axes[k] for k in AXES if k in axes})))
+    return timed, found
+
+
 def judge_skew(results: list[dict]) -> list[dict]:
     """Per skewed batch and backend: its median against the sum of its requests' medians timed alone in the same run
     (each distinct request once, times how many the batch holds). None where a request alone was not timed."""
-    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    timed, found = _timed_with(results, "requests")
     rows = []
-    for r in results:
-        axes = r.get("axes") or {}
-        if not axes.get("requests") or (r["shape"], r["backend"]) not in timed:
-            continue
-        shape = Shape(**{k: axes[k] for k in AXES if k in axes})
+    for r, shape in found:
         parts = [(a, shape.count(a.prefix, a.budget), timed.get((a.name, r["backend"]))) for a in shape.alone()]
         if any(t is None for _, _, t in parts):
             continue
@@ -129,17 +136,14 @@ CAPTURE_BOUND = 0.05
 def judge_capture(results: list[dict]) -> list[dict]:
     """Per shape made at a capture's bounds and backend: its median against its twin's, planned for its own lengths,
     in the same run. None where the twin was not timed."""
-    timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
+    timed, found = _timed_with(results, "capture")
     rows = []
-    for r in results:
-        axes = r.get("axes") or {}
-        if not axes.get("capture") or (r["shape"], r["backend"]) not in timed:
-            continue
-        own = Shape(**{k: axes[k] for k in AXES if k in axes}).own()
+    for r, shape in found:
+        own = shape.own()
         if (own.name, r["backend"]) not in timed:
             continue
         replay, planned = timed[(r["shape"], r["backend"])], timed[(own.name, r["backend"])]
-        rows.append({"shape": r["shape"], "backend": r["backend"], "capture": axes["capture"], "replay_us": replay,
+        rows.append({"shape": r["shape"], "backend": r["backend"], "capture": shape.capture, "replay_us": replay,
                      "own_us": planned, "own_shape": own.name, "ratio": replay / planned,
                      "within": replay <= planned * (1 + CAPTURE_BOUND)})
     return rows

@@ -225,9 +225,11 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
         s = p.get("schedule")
         if not s:
             continue
+        from kdev.bench.sweeps import AXES, Shape
+
+        shape = Shape(**{k: p["axes"][k] for k in AXES if k in p["axes"]})
         counts: dict = {}
-        for L, n, a, b in zip(p["axes"] and _prefixes(p["axes"]), [x + 1 for x in _budgets(p["axes"])], s["splits"],
-                              s["narrow_splits"]):
+        for L, n, a, b in zip(shape.prefix_lens, [x + 1 for x in shape.budget_list], s["splits"], s["narrow_splits"]):
             counts.setdefault((L, n, a, b), 0)
             counts[(L, n, a, b)] += 1
         parts = ", ".join(f"{c} x ({L:,} + {n}: {a} split{'s' * (a > 1)}"
@@ -239,19 +241,6 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
     if big and big["bytes"]:
         report.show(f"workspace the caller provides for these shapes: up to {big['bytes'] / mib:,.1f} MiB "
                     f"({big['bytes']:,} B, at {big['shape']})")
-
-
-def _prefixes(axes: dict) -> tuple:
-    from kdev.bench.sweeps import parse_requests
-
-    return parse_requests(axes["requests"])
-
-
-def _budgets(axes: dict) -> tuple:
-    from kdev.bench.sweeps import Shape
-
-    return Shape(**{k: axes[k] for k in ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests",
-                                         "budgets") if k in axes}).budget_list
 
 
 def show_projection(doc: dict) -> None:
