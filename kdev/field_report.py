@@ -36,19 +36,21 @@ class Step:
     argv: tuple  # after `python -m kdev` (or the whole command, for a tool in front of it)
     timeout_s: float
     wrapper: tuple = ()  # a tool the step runs under (compute-sanitizer)
+    case_list: bool = False  # its document lists every case (a verify run): the report keeps the summary only
 
 
 def steps(arch: str, fuzz: int, sweep: str, sanitizer: str | None) -> list[Step]:
     """In the order they run: what the projection reads (the ceilings, the bench) before the long checks."""
     out = [Step("build", ("build", "--arch", arch, "--json"), 1800),
-           Step("verify", ("verify", "--suite", "smoke", "--json"), 900),
+           Step("verify", ("verify", "--suite", "smoke", "--json"), 900, case_list=True),
            Step("ceilings", ("bench", "--ceilings", "--json"), 1800),
            Step("bench", ("bench", "--sweep", sweep, "-a", "page_size=1,64", "--backend", "flash,flash-portable",
                           "--json"), 3600),
-           Step("fuzz", ("verify", "--fuzz", str(fuzz), "--json"), 3600)]
+           Step("fuzz", ("verify", "--fuzz", str(fuzz), "--json"), 3600, case_list=True)]
     if sanitizer:
         out += [Step(f"sanitizer-{tool}", ("verify", "--suite", "smoke", "--kernel", "flash,flash-portable", "--json"),
-                     1800, (sanitizer, "--tool", tool, "--error-exitcode", "1")) for tool in SANITIZER_TOOLS]
+                     1800, (sanitizer, "--tool", tool, "--error-exitcode", "1"), case_list=True)
+                for tool in SANITIZER_TOOLS]
     return out
 
 
@@ -70,8 +72,9 @@ def run_step(step: Step) -> dict:
         doc = json.loads(body) if body.strip() else None
     except ValueError:
         doc = None
-    if isinstance(doc, dict):
-        doc.pop("results", None)  # a case-by-case list (megabytes for a fuzz run): the summary and failures stay
+    if step.case_list and isinstance(doc, dict):
+        doc.pop("results", None)  # megabytes for a fuzz run: the summary and failures stay (a bench's rows are kept:
+        #                           they are what kdev plan --project calibrates against)
     result = {"name": step.name, "command": " ".join(cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
               "doc": doc, "tail": [] if rc == 0 else (err or "").strip().splitlines()[-TAIL_LINES:]}
     if step.wrapper:

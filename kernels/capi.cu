@@ -68,7 +68,8 @@ int validate_shape(int batch, int total_q, int num_heads, int max_qlen, int max_
     return fail(KDTREE_ERR_INVALID, "num_heads %d outside 1..%d", num_heads, KDTREE_MAX_HEADS);
   if (max_qlen < 1 || max_qlen > KDTREE_MAX_QLEN)
     return fail(KDTREE_ERR_INVALID, "max_qlen %d outside 1..%d", max_qlen, KDTREE_MAX_QLEN);
-  if (total_q < batch || total_q < max_qlen || (long long)total_q > (long long)batch * max_qlen)
+  // max_qlen is a bound (a graph's capture-time largest tree), so no request need reach it: total_q may be below it
+  if (total_q < batch || (long long)total_q > (long long)batch * max_qlen)
     return fail(KDTREE_ERR_INVALID, "total_q %d inconsistent with batch %d and max_qlen %d", total_q, batch, max_qlen);
   if ((long long)total_q * num_heads > 0x7fffffffLL) return fail(KDTREE_ERR_INVALID, "total_q * num_heads too large");
   if (max_kv_len < max_qlen) return fail(KDTREE_ERR_INVALID, "max_kv_len %d < max_qlen %d", max_kv_len, max_qlen);

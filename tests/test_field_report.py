@@ -97,7 +97,16 @@ def test_a_step_keeps_the_document_without_its_case_list_and_the_sanitizers_line
     out = "========= COMPUTE-SANITIZER\n" + json.dumps({"passed": True, "results": [1] * 10}) + \
         "\n========= ERROR SUMMARY: 0 errors\n"
     monkeypatch.setattr(fr.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr=""))
-    step = fr.Step("sanitizer-memcheck", ("verify", "--json"), 10, ("compute-sanitizer", "--tool", "memcheck"))
+    step = fr.Step("sanitizer-memcheck", ("verify", "--json"), 10, ("compute-sanitizer", "--tool", "memcheck"),
+                   case_list=True)
     r = fr.run_step(step)
     assert r["doc"] == {"passed": True} and r["sanitizer"] == ["COMPUTE-SANITIZER", "ERROR SUMMARY: 0 errors"]
     assert r["command"].startswith("compute-sanitizer --tool memcheck ") and r["rc"] == 0
+
+
+def test_the_bench_step_keeps_its_rows_for_the_calibration(monkeypatch):
+    out = json.dumps(bench_doc())
+    monkeypatch.setattr(fr.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr=""))
+    by_name = {s.name: s for s in fr.steps("sm_120", 5, "smoke", "compute-sanitizer")}
+    assert fr.run_step(by_name["bench"])["doc"] == bench_doc()
+    assert "results" not in fr.run_step(by_name["fuzz"])["doc"]
