@@ -124,9 +124,10 @@ class Library:
         if path and not Path(path).exists():  # named wrongly: bad input (the default one missing: not built)
             raise BadInput(f"{path}: no such library")
         path = kbuild.library_file(Path(path)) if path else kbuild.latest_library()  # a build folder: its library
-        if path is None or not Path(path).is_file():
-            raise EnvironmentMissing(f"kernel library not built ({path or 'build/latest.json missing or damaged'}): "
-                                     "run 'kdev build'")
+        if path is None:
+            raise EnvironmentMissing(kbuild.missing_default_library())
+        if not Path(path).is_file():
+            raise EnvironmentMissing(f"kernel library not built ({path}): run 'kdev build'")
         self.path = Path(path)
         try:
             self.lib = L = cabi.load(self.path)

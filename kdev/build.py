@@ -25,8 +25,8 @@ from pathlib import Path
 
 from kdev import __version__
 from kdev import resources
-from kdev.config import REPO_ROOT, BuildConfig
-from kdev.errors import BadInput, CheckFailed, EnvironmentMissing
+from kdev.config import REPO_ROOT, BuildConfig, load_build
+from kdev.errors import BadInput, CheckFailed, EnvironmentMissing, KdevError
 from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, read_json_record,
                          remove_dead_writers_temps, temp_name)
 
@@ -350,6 +350,15 @@ def _point_latest(cfg: BuildConfig, res: BuildResult) -> None:
 def library_file(library: Path) -> Path:
     """A build folder stands for the library in it."""
     return library / LIB_NAME if library.is_dir() and (library / LIB_NAME).is_file() else library
+
+
+def missing_default_library() -> str:
+    """What to say where the default library is wanted and none is built: a one-arch build (--arch) is not it."""
+    try:
+        archs = ", ".join(load_build(None).default_archs)
+    except KdevError:
+        archs = "build.yaml's archs"
+    return f"no library of {archs} built (build/latest.json): run 'kdev build' (an --arch build is not the default)"
 
 
 def latest_library(output_dir: Path | None = None, archs=None) -> Path | None:

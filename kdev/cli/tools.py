@@ -49,7 +49,7 @@ def plan_cmd(
     gpu = kplan.resolve_gpu(gpu_name, sms)
     path = library or build.latest_library()
     if path is None:
-        raise EnvironmentMissing("no library built (build/latest.json missing or damaged): run 'kdev build'")
+        raise EnvironmentMissing(build.missing_default_library())
     planner = kplan.PlanLibrary(build.library_file(Path(path)))
     stale = planner.stale_note()
     if stale:

@@ -6,6 +6,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from kdev import build as kbuild
+from kdev import config
 from kdev.cli import app
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +24,9 @@ def test_the_field_report_runs_here_and_calibrates_the_projection(lib, tmp_path)
     assert doc["nvml"]["samples"] > 10 and doc["nvml"]["sm_clock_mhz"]["max"] > 0
     timed = [x for x in doc["bench"]["results"] if x.get("timing")]
     assert {x["axes"]["page_size"] for x in timed} == {1, 64}
+    # the projection reads the SASS of every arch it projects: a library of build.yaml's archs, not this GPU's alone
+    res = kbuild.build(config.load_build(None))
+    assert not res.problems, res.problems
     r = CliRunner().invoke(app, ["plan", "--project", "--calibrate", str(out), "--json"])
     assert r.exit_code == 0, r.output
     (cal,) = json.loads(r.stdout)["calibrations"]
