@@ -193,6 +193,21 @@ class Library:
             p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
         return p
 
+    def plan_params(self, prefix_lens: torch.Tensor, q_indptr: torch.Tensor, heads: int, page_size: int,
+                    max_qlen: int, max_kv_len: int) -> VerifyAttnParams:
+        """The params of a verify call as its plan and schedule read them (kdtree.h: the shapes, the page size, the
+        lengths; no queries, pool or outputs): what an engine has at the start of a decoding step, before any layer."""
+        dev = prefix_lens.device
+        _check("prefix_lens", prefix_lens, torch.int32, 1, dev, 4)
+        _check("q_indptr", q_indptr, torch.int32, 1, dev, 4)
+        batch = prefix_lens.shape[0]
+        if q_indptr.shape[0] != batch + 1:
+            raise AbiArgumentError(f"q_indptr: {q_indptr.shape[0]} entries, expected batch + 1 = {batch + 1}")
+        return VerifyAttnParams(
+            struct_size=ctypes.sizeof(VerifyAttnParams), batch=batch, total_q=batch * max_qlen, num_heads=heads,
+            max_qlen=max_qlen, mask_words=(max_qlen + 63) // 64, page_size=page_size, max_kv_len=max_kv_len,
+            plan_sm_count=self.plan_sm_count, prefix_lens=prefix_lens.data_ptr(), q_indptr=q_indptr.data_ptr())
+
     def workspace_size(self, p: VerifyAttnParams) -> int:
         n = ctypes.c_size_t(0)
         self._status("kdtree_verify_attn_workspace_size", self.lib.kdtree_verify_attn_workspace_size(ctypes.byref(p), ctypes.byref(n)))

@@ -1,7 +1,9 @@
 """The library's entry points as torch custom ops, the way serving engines call custom kernels.
 
     torch.ops.kdev.verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel,
-                               max_qlen, max_kv_len) -> (out, lse)
+                               max_qlen, max_kv_len, workspace=None) -> (out, lse)
+    torch.ops.kdev.verify_schedule(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len)
+        -> workspace
     torch.ops.kdev.build_ddtree(log_probs, token_ids, root_tokens, prefix_lens, budget)
         -> (node_tokens, parents, depths, positions, tree_mask, node_count)
     torch.ops.kdev.accept_greedy(node_tokens, parents, node_count, target_argmax) -> (accepted, accept_len, bonus_token)
@@ -13,9 +15,12 @@ On CPU tensors it runs the float64 / exact reference (kdev/mla.py, kdev/ddtree.p
 a GPU. Each op has a fake implementation (shapes and dtypes only) for torch.compile: the op is one node of the graph,
 no break around it. Arguments are checked as the CLI checks them (abi.check_inputs: one line, AbiArgumentError).
 
-`kernel` picks the verify kernel: "flash" (default), "flash-portable", "naive". `max_qlen` / `max_kv_len` are the host
-bounds the flash plan needs; 0 computes them from the tensors (a device-to-host read: pass them under graph capture).
-Importing this module registers the ops.
+`kernel` picks the verify kernel: "flash" (default), "flash-portable", "naive", or a scheduled one ("flash-scheduled",
+"flash-portable-scheduled"). `max_qlen` / `max_kv_len` are the host bounds the flash plan needs; 0 computes them from
+the tensors (a device-to-host read: pass them under graph capture). A scheduled kernel makes its device schedule in
+each call, unless `workspace` is one that verify_schedule made for these lengths: an engine makes the schedule once per
+decoding step and every layer's call reads it (the calls write their partials into the same workspace, one after the
+other on the stream). Importing this module registers the ops.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ def _tree_kernels() -> abi.TreeKernels:
 
 
 # ------------------------------------------------------------------------------------------------ verify
-@torch.library.custom_op("kdev::verify_attn", mutates_args=())
+@torch.library.custom_op("kdev::verify_attn", mutates_args=("workspace",))
 def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
                 q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = "flash",
-                max_qlen: int = 0, max_kv_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                max_qlen: int = 0, max_kv_len: int = 0,
+                workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     x = abi.VerifyInputs(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale,
                          max_qlen or None, max_kv_len or None)
     n_q, heads, _ = q.shape
@@ -57,8 +63,18 @@ def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tenso
     lib = library()
     out = torch.empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)
+    if workspace is not None:  # verify_schedule's: the schedule for these lengths is in it
+        if kernel not in abi.FLASH_KERNELS:
+            raise abi.AbiArgumentError(f"workspace: kernel {kernel!r} takes none")
+        p = lib.params(x, out, lse, workspace)
+        made = getattr(workspace, "_kdev_schedule", None)
+        if kernel in abi.SCHEDULED_KERNELS and made is not None and made != _schedule_key(p):
+            # the kernels would find no work for these shapes and leave the outputs unwritten: refused here instead
+            raise abi.AbiArgumentError(f"workspace: its schedule was made for batch, heads, page size and bounds "
+                                       f"{made}, this call is {_schedule_key(p)}")
+        lib.call(kernel, p, schedule=False)
+        return out, lse
     p = lib.params(x, out, lse)
-    workspace = None
     if kernel in abi.FLASH_KERNELS:
         need = lib.workspace_size(p)
         if need:
@@ -69,10 +85,70 @@ def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tenso
 
 
 @verify_attn.register_fake
-def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0):
+def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0,
+      workspace=None):
     n_q, heads, _ = q.shape
     return (q.new_empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16),
             q.new_empty(n_q, heads, dtype=torch.float32))
+
+
+def _schedule_key(p) -> tuple:
+    return p.batch, p.num_heads, p.page_size, p.max_qlen, p.max_kv_len
+
+
+def _schedule_bytes(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len) -> tuple:
+    if kernel not in abi.SCHEDULED_KERNELS:
+        raise abi.AbiArgumentError(f"kernel {kernel!r}: a schedule is made for {' or '.join(abi.SCHEDULED_KERNELS)}")
+    if max_qlen < 1 or max_kv_len < 1:
+        raise abi.AbiArgumentError(f"bounds {max_qlen} / {max_kv_len}: a schedule needs the call's bounds (>= 1)")
+    if prefix_lens.device.type == "cpu":  # the reference needs no schedule
+        return None, 0
+    lib = library()
+    p = lib.plan_params(prefix_lens, q_indptr, num_heads, page_size, max_qlen, max_kv_len)
+    return p, lib.workspace_size(p)
+
+
+@torch.library.custom_op("kdev::verify_schedule", mutates_args=())
+def verify_schedule(prefix_lens: torch.Tensor, q_indptr: torch.Tensor, num_heads: int, page_size: int, kernel: str,
+                    max_qlen: int, max_kv_len: int) -> torch.Tensor:
+    """The device schedule of a scheduled verify kernel for these lengths, made on the current stream into a new
+    workspace (uint8) that every verify_attn call with the same lengths, bounds, heads and page size takes. On CPU
+    tensors: an empty tensor (the reference runs without one)."""
+    p, need = _schedule_bytes(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len)
+    workspace = torch.empty(need, dtype=torch.uint8, device=prefix_lens.device)
+    if p is not None:
+        p.workspace, p.workspace_bytes = workspace.data_ptr(), need
+        library().schedule(p)
+        workspace._kdev_schedule = _schedule_key(p)
+    return workspace
+
+
+@verify_schedule.register_fake
+def _(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len):
+    _, need = _schedule_bytes(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len)
+    return prefix_lens.new_empty(need, dtype=torch.uint8)
+
+
+class StepSchedule:
+    """A scheduled kernel's device schedule in a model's forward: made by the forward's first layer (the layer that
+    made the last one) and read by every later layer's verify_attn. Made in a layer's call, not before the forward:
+    under a captured CUDA graph the schedule kernel is then part of the graph, and every replay makes it from the
+    replay's lengths. None for the other kernels (each call plans for itself)."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.made: tuple | None = None  # (the first layer, heads, workspace)
+
+    def workspace(self, layer: int, prefix_lens: torch.Tensor, q_indptr: torch.Tensor, heads: int, page_size: int,
+                  max_qlen: int, max_kv_len: int) -> torch.Tensor | None:
+        if self.kernel not in abi.SCHEDULED_KERNELS:
+            return None
+        made = self.made
+        if made is None or made[0] == layer or made[1] != heads:
+            ws = torch.ops.kdev.verify_schedule(prefix_lens, q_indptr, heads, page_size, self.kernel, max_qlen,
+                                                max_kv_len)
+            self.made = made = (made[0] if made else layer, heads, ws)
+        return made[2]
 
 
 # ------------------------------------------------------------------------------------------------- trees

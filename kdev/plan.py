@@ -39,7 +39,7 @@ RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
 KV_ROW_BYTES = cabi.QK_DIM * 2
 CALLS = ("flash", "flash-portable")
 MAX_SPLITS_ASKED = 2 * cabi.MAX_SPLITS  # past the combine's cap: the library answers infinity there
-PLAN_ABI = 3  # kdtree_abi_version from which kdtree_flash_plan's narrow output is the narrow tiles' own split count
+PLAN_ABI = 5  # kdtree_abi_version from which the plan functions take the page size (and the schedule plan the bounds)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -145,8 +145,8 @@ class PlanLibrary:
         self.launch_plan = launch_plan_entry(L, error=BadInput)
         if not hasattr(L, "kdtree_flash_plan") or self.launch_plan is None:
             raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
-        if L.kdtree_abi_version() < PLAN_ABI:  # its narrow figure is another quantity (splits per narrow CTA)
-            raise EnvironmentMissing(f"{path}: ABI {L.kdtree_abi_version()} plans the narrow tiles another way (ABI "
+        if L.kdtree_abi_version() < PLAN_ABI:  # its plan functions take other arguments (kdtree.h's, ABI history)
+            raise EnvironmentMissing(f"{path}: ABI {L.kdtree_abi_version()} plans without the page size (ABI "
                                      f"{PLAN_ABI} needed): run 'kdev build'")
         # a library from before the planner's costs were exposed still plans; only --costs needs the entry
         self.has_costs = hasattr(L, "kdtree_flash_split_cost")
@@ -168,17 +168,18 @@ class PlanLibrary:
     def _fail(self, fn: str) -> BadInput:
         return BadInput(f"{fn}: {cabi.last_error(self.lib)}")
 
-    def split_plan(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int, gpu: GpuSpec) -> dict:
+    def split_plan(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int, page_size: int,
+                   gpu: GpuSpec) -> dict:
         out = [ctypes.c_int() for _ in range(4)]
         ws = ctypes.c_size_t()
-        if self.lib.kdtree_flash_plan(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, gpu.threads_per_sm,
-                                      *map(ctypes.byref, out), ctypes.byref(ws)):
+        if self.lib.kdtree_flash_plan(batch, total_q, heads, max_qlen, max_kv_len, page_size, gpu.sms,
+                                      gpu.threads_per_sm, *map(ctypes.byref, out), ctypes.byref(ws)):
             raise self._fail("kdtree_flash_plan")
         m_tiles, splits, narrow_splits, groups = (x.value for x in out)
         return {"row_tiles": m_tiles, "splits": splits, "narrow_splits": narrow_splits, "combine_groups": groups,
                 "workspace_bytes": ws.value}
 
-    def split_costs(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int,
+    def split_costs(self, batch: int, total_q: int, heads: int, max_qlen: int, max_kv_len: int, page_size: int,
                     gpu: GpuSpec) -> list[dict]:
         """The planner's model cost (KV tiles) of every choice it may take for these bounds (full-tile splits, narrow
         splits: 0 where there is no narrow tile), in the order of the splits."""
@@ -188,8 +189,8 @@ class PlanLibrary:
         for splits in range(1, MAX_SPLITS_ASKED + 1):
             found = len(out)
             for narrow_splits in range(MAX_SPLITS_ASKED + 1):
-                if self.lib.kdtree_flash_split_cost(batch, total_q, heads, max_qlen, max_kv_len, gpu.sms, splits,
-                                                    narrow_splits, ctypes.byref(cost)):
+                if self.lib.kdtree_flash_split_cost(batch, total_q, heads, max_qlen, max_kv_len, page_size, gpu.sms,
+                                                    splits, narrow_splits, ctypes.byref(cost)):
                     raise self._fail("kdtree_flash_split_cost")
                 if math.isfinite(cost.value):
                     out.append({"splits": splits, "narrow_splits": narrow_splits, "cost_tiles": cost.value})
@@ -212,7 +213,8 @@ class PlanLibrary:
 
     def schedule_plan(self, shape: bench.Shape, sizes: list[int], gpu: GpuSpec) -> dict | None:
         """The device schedule the scheduled calls would run for this batch (kdtree_flash_schedule_plan: the schedule
-        kernel's arithmetic on the host), its requests' trees `sizes` nodes each; None from a library without it."""
+        kernel's arithmetic on the host), its requests' trees `sizes` nodes each, at the shape's bounds (a capture's, or
+        its own); None from a library without it."""
         if not hasattr(self.lib, "kdtree_flash_schedule_plan"):
             return None
         B = shape.batch
@@ -221,8 +223,10 @@ class PlanLibrary:
         splits, narrow = (ctypes.c_int * B)(), (ctypes.c_int * B)()
         k, ctas, narrow_ctas, at_bounds = (ctypes.c_int() for _ in range(4))
         tokens = ctypes.c_int64()
-        if self.lib.kdtree_flash_schedule_plan(B, shape.heads, gpu.sms, ctypes.addressof(prefix),
-                                               ctypes.addressof(qlens), ctypes.byref(k), splits, narrow,
+        max_kv_len, max_qlen = shape.bounds or (0, 0)
+        if self.lib.kdtree_flash_schedule_plan(B, shape.heads, shape.page_size, gpu.sms, ctypes.addressof(prefix),
+                                               ctypes.addressof(qlens), max_qlen, max_kv_len, ctypes.byref(k), splits,
+                                               narrow,
                                                ctypes.byref(ctas), ctypes.byref(narrow_ctas), ctypes.byref(tokens),
                                                ctypes.byref(at_bounds)):
             raise self._fail("kdtree_flash_schedule_plan")
@@ -273,7 +277,7 @@ class ShapePlan:
     kv_read_bytes: int  # what the CTAs read of it (every row tile reads its request's range)
     floor_us: float | None
     bound: str
-    schedule: dict | None = None  # a skewed batch's device schedule (the scheduled calls'), from its requests' lengths
+    schedule: dict | None = None  # the device schedule (the scheduled calls') of a skewed batch or a capture's replay
 
 
 def split_tiles(kv_len: int, splits: int) -> list[int]:
@@ -289,7 +293,8 @@ def split_costs(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec) -> list[dict
     """The planner's model at this shape: per full-tile split count, the narrow split count its rule would take with
     it (the fewest within 0.1 % of the least cost of all, else the cheapest for that count), with its model cost,
     cheapest first, and each one's cost over the least (the plan is the first, in order of splits, within 0.1 %)."""
-    costs = lib.split_costs(shape.batch, shape.batch * shape.T, shape.heads, shape.T, shape.prefix + shape.T, gpu)
+    kv_bound, t_bound = launch_bounds(shape)
+    costs = lib.split_costs(shape.batch, shape.batch * shape.T, shape.heads, t_bound, kv_bound, shape.page_size, gpu)
     least = min(c["cost_tiles"] for c in costs)
     per_split: dict[int, dict] = {}
     for c in costs:  # in order of (splits, narrow splits)
@@ -304,10 +309,17 @@ def split_costs(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec) -> list[dict
     return out
 
 
+def launch_bounds(shape: bench.Shape) -> tuple[int, int]:
+    """(max_kv_len, max_qlen) the call is planned for: a graph's capture-time bounds where the shape replays one, else
+    its own (a skewed batch's longest prefix and largest tree)."""
+    return shape.bounds or (shape.prefix + shape.T, shape.T)
+
+
 def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "flash") -> ShapePlan:
+    """The plain call's launch at the shape's bounds (launch_bounds); the KV it reads and the floor are the shape's own."""
     T, H, B, L = shape.T, shape.heads, shape.batch, shape.prefix
-    kv_len = L + T
-    p = lib.split_plan(B, B * T, H, T, kv_len, gpu)
+    kv_len, t_bound = launch_bounds(shape)
+    p = lib.split_plan(B, B * T, H, t_bound, kv_len, shape.page_size, gpu)
     tensor_copy = gpu.major >= 9 and shape.page_size >= cabi.TENSOR_COPY_MIN_PAGE
     k = lib.kernels(gpu, tensor_copy, call == "flash-portable")
     narrow = 1 if p["narrow_splits"] else 0
@@ -316,28 +328,35 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
     if per_sm < 1:
         raise BadInput(f"{k['full']} does not fit one CTA on an SM of {gpu.name} ({k['full_smem']} B dynamic shared "
                        f"memory)")
-    tiles = split_tiles(kv_len, p["splits"])
     full_ctas = B * full_tiles * p["splits"]
     narrow_ctas = B * p["narrow_splits"]
     slots = gpu.sms * per_sm
     waves = math.ceil(full_ctas / slots) if full_ctas else 0
-    slot_use = B * full_tiles * sum(tiles) / (waves * slots * max(tiles)) if full_ctas else 0.0
-    rows = T * H
-    kv_bytes = B * kv_len * KV_ROW_BYTES
-    flops, nbytes = bench.flops_bytes([T] * B, [L] * B, H)
+    # the CTAs' work: the splits cut the bound's range, of which a request fills the first ones (its own range), and a
+    # request's row tiles past its rows have none (at a capture's bounds, its tail is a full-tile CTA's)
+    own_kv, rows = L + T, T * H
+    chunk = math.ceil(math.ceil(kv_len / p["splits"]) / BLOCK_N) * BLOCK_N  # split_chunk
+    own = [math.ceil(max(0, min(chunk, own_kv - s * chunk)) / BLOCK_N) for s in range(p["splits"])]
+    busy_tiles = min(-(-rows // BLOCK_M), full_tiles) if shape.bounds else full_tiles
+    slot_use = B * busy_tiles * sum(own) / (waves * slots * max(own)) if full_ctas else 0.0
+    sizes = [n + 1 for n in shape.budget_list]
+    kv_bytes = sum(Lb + t for Lb, t in zip(shape.prefix_lens, sizes)) * KV_ROW_BYTES
+    kv_read = sum((Lb + t) * -(-t * H // BLOCK_M) for Lb, t in zip(shape.prefix_lens, sizes)) * KV_ROW_BYTES
+    flops, nbytes = bench.flops_bytes(sizes, shape.prefix_lens, H)
     floor = bound = None
     if gpu.flops and gpu.bytes_per_s:
         tc, tm = flops / gpu.flops, nbytes / gpu.bytes_per_s
         floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
+    launched_rows = t_bound * H
     return ShapePlan(
         shape=shape.name, axes=asdict(shape), rows=rows, row_tiles=p["row_tiles"],
-        narrow_rows=rows - full_tiles * BLOCK_M if narrow else 0, splits=p["splits"], narrow_splits=p["narrow_splits"],
-        combine_groups=p["combine_groups"], workspace_bytes=p["workspace_bytes"], full_kernel=k["full"],
-        full_smem=k["full_smem"], narrow_kernel=k["narrow"] if narrow else None, ctas_per_sm=per_sm,
-        full_ctas=full_ctas, narrow_ctas=narrow_ctas, waves=waves, slot_use=slot_use,
+        narrow_rows=launched_rows - full_tiles * BLOCK_M if narrow else 0, splits=p["splits"],
+        narrow_splits=p["narrow_splits"], combine_groups=p["combine_groups"], workspace_bytes=p["workspace_bytes"],
+        full_kernel=k["full"], full_smem=k["full_smem"], narrow_kernel=k["narrow"] if narrow else None,
+        ctas_per_sm=per_sm, full_ctas=full_ctas, narrow_ctas=narrow_ctas, waves=waves, slot_use=slot_use,
         row_use=rows / (full_tiles * BLOCK_M + narrow * NARROW_ROWS), kv_bytes=kv_bytes,
-        kv_read_bytes=kv_bytes * p["row_tiles"], floor_us=floor, bound=bound or "-",
-        schedule=lib.schedule_plan(shape, [n + 1 for n in shape.budget_list], gpu) if shape.requests else None)
+        kv_read_bytes=kv_read, floor_us=floor, bound=bound or "-",
+        schedule=lib.schedule_plan(shape, sizes, gpu) if shape.requests or shape.bounds else None)
 
 
 def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash", costs: bool = False) -> dict:

@@ -76,6 +76,17 @@ int validate_shape(int batch, int total_q, int num_heads, int max_qlen, int max_
   return KDTREE_OK;
 }
 
+// What a plan reads of a verify call: its shapes, page size and plan_sm_count. The workspace size and the device
+// schedule need no more (the schedule reads the lengths besides, checked by its entry point), so an engine sizes the
+// workspace and makes the schedule once per decoding step, before any layer's queries or outputs exist.
+int validate_plan_inputs(const VerifyAttnParams* p) {
+  if (int st = check_params_struct(p)) return st;
+  if (int st = validate_shape(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len)) return st;
+  if (int st = check_page_size(p->page_size)) return st;
+  if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
+  return KDTREE_OK;
+}
+
 // Shared by every verify kernel: shapes, limits, pointers, alignment.
 int validate(const VerifyAttnParams* p) {
   if (int st = check_params_struct(p)) return st;
@@ -134,7 +145,8 @@ int plan_sm_count(const VerifyAttnParams* p, int* sm_count) {
 }
 
 kdtree::FlashPlan flash_plan(const VerifyAttnParams* p, int sm_count) {
-  return kdtree::plan_verify_attn_flash(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len, sm_count);
+  return kdtree::plan_verify_attn_flash(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len, p->page_size,
+                                        sm_count);
 }
 
 }  // namespace
@@ -146,7 +158,9 @@ extern "C" {
 // full tiles' splits one narrow CTA covered), and the workspace holds the narrow tiles' partials apart.
 // 4: the device schedule (kdtree_flash_schedule and the scheduled calls); the workspace holds it beside the partials
 // (kernels/include/kdev/flash_plan.cuh), and kdtree_verify_attn_workspace_size covers it.
-int kdtree_abi_version(void) { return 4; }
+// 5: the plan prices a narrow tile by how the tiles are copied, so kdtree_flash_plan, kdtree_flash_split_cost and
+// kdtree_flash_schedule_plan take the page size; kdtree_flash_schedule_plan takes the call's bounds too.
+int kdtree_abi_version(void) { return 5; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
@@ -165,7 +179,7 @@ int kdtree_verify_attn(const VerifyAttnParams* p, cudaStream_t stream) {
 int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes) {
   g_last_error[0] = '\0';
   if (bytes == nullptr) return fail(KDTREE_ERR_INVALID, "bytes is NULL");
-  if (int st = validate(p)) return st;
+  if (int st = validate_plan_inputs(p)) return st;
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
   *bytes = flash_plan(p, sm_count).workspace_bytes;
@@ -227,7 +241,13 @@ int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t st
 // calls below read it until it is made again.
 int kdtree_flash_schedule(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  if (int st = validate(p)) return st;
+  if (int st = validate_plan_inputs(p)) return st;
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p->prefix_lens, "prefix_lens"},
+                                  std::pair<const void*, const char*>{p->q_indptr, "q_indptr"}}) {
+    if (ptr == nullptr) return fail(KDTREE_ERR_INVALID, "%s is NULL", name);
+    if (!aligned(ptr, 4)) return fail(KDTREE_ERR_INVALID, "%s is not 4-byte aligned", name);
+    if (!is_device_pointer(ptr)) return fail(KDTREE_ERR_INVALID, "%s is not device memory", name);
+  }
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
   const kdtree::FlashPlan plan = flash_plan(p, sm_count);
@@ -266,22 +286,23 @@ int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int por
   return KDTREE_OK;
 }
 
-// The flash call's plan for a launch's shape bounds (batch, total_q, num_heads, max_qlen, max_kv_len: as in
-// VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
+// The flash call's plan for a launch's shape bounds and page size (batch, total_q, num_heads, max_qlen, max_kv_len,
+// page_size: as in VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
 // launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones (0: no narrow
 // kernel), the combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
-int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits, int* combine_groups,
-                      size_t* workspace_bytes) {
+int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                      int sm_count, int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits,
+                      int* combine_groups, size_t* workspace_bytes) {
   g_last_error[0] = '\0';
   if (num_m_tiles == nullptr || num_splits == nullptr || narrow_splits == nullptr || combine_groups == nullptr ||
       workspace_bytes == nullptr)
     return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
   if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
+  if (int st = check_page_size(page_size)) return st;
   if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
   if (threads_per_sm < 256) return fail(KDTREE_ERR_INVALID, "threads_per_sm %d < 256 (one flash CTA)", threads_per_sm);
   const kdtree::FlashPlan plan = kdtree::plan_verify_attn_flash(batch, total_q, num_heads, max_qlen, max_kv_len,
-                                                                sm_count);
+                                                                page_size, sm_count);
   *num_m_tiles = plan.num_m_tiles;
   *num_splits = plan.launch.splits;
   *narrow_splits = plan.launch.narrow_splits;
@@ -294,13 +315,15 @@ int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int m
 // tile and `narrow_splits` of every narrow one (0 where there is no narrow tile); +infinity for a choice the planner
 // may not take. The plan is the cheapest choice (kdtree_flash_plan); this says by how much (`kdev plan --costs`). Needs
 // no GPU.
-int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                            int splits, int narrow_splits, double* cost) {
+int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                            int sm_count, int splits, int narrow_splits, double* cost) {
   g_last_error[0] = '\0';
   if (cost == nullptr) return fail(KDTREE_ERR_INVALID, "cost is NULL");
   if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
+  if (int st = check_page_size(page_size)) return st;
   if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
-  *cost = kdtree::flash_split_cost(batch, max_qlen, num_heads, max_kv_len, sm_count, splits, narrow_splits);
+  *cost = kdtree::flash_split_cost(batch, max_qlen, num_heads, max_kv_len, sm_count, splits, narrow_splits,
+                                   kdtree::gathered_tiles(page_size));
   return KDTREE_OK;
 }
 
@@ -322,13 +345,14 @@ int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, do
 }
 
 // The device schedule the schedule kernel makes for these lengths (request b: prefix_lens[b] tokens and a tree of
-// qlens[b] nodes), on a GPU of sm_count SMs, the call's bounds from the lengths: the split factor k, each request's
-// full and narrow split counts (narrow 0: its tail, if any, runs as a full-tile CTA), the CTAs of each kernel and the
-// schedule's model time in tokens. The same integer arithmetic as the kernel (flash_plan.cuh), on the host; where every
-// request has the bounds' lengths the kernel writes the host plan instead (at_bounds = 1). Needs no GPU: `kdev plan`.
-int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int* prefix_lens, const int* qlens,
-                               int* k, int* splits, int* narrow_splits, int* ctas, int* narrow_ctas,
-                               long long* model_tokens, int* at_bounds) {
+// qlens[b] nodes) in pages of page_size tokens, on a GPU of sm_count SMs, for a call whose bounds are max_qlen and
+// max_kv_len (a graph's capture-time ones; 0: the lengths' own): the split factor k, each request's full and narrow
+// split counts (narrow 0: its tail, if any, runs as a full-tile CTA), the CTAs of each kernel and the schedule's model
+// time in tokens. The same integer arithmetic as the kernel (flash_plan.cuh), on the host; where every request has the
+// bounds' lengths the kernel writes the host plan instead (at_bounds = 1). Needs no GPU: `kdev plan`.
+int kdtree_flash_schedule_plan(int batch, int num_heads, int page_size, int sm_count, const int* prefix_lens,
+                               const int* qlens, int max_qlen, int max_kv_len, int* k, int* splits, int* narrow_splits,
+                               int* ctas, int* narrow_ctas, long long* model_tokens, int* at_bounds) {
   g_last_error[0] = '\0';
   if (prefix_lens == nullptr || qlens == nullptr || k == nullptr || splits == nullptr || narrow_splits == nullptr ||
       ctas == nullptr || narrow_ctas == nullptr || model_tokens == nullptr || at_bounds == nullptr)
@@ -336,17 +360,22 @@ int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int
   if (batch < 1 || batch > kdtree::kScheduleMaxBatch)
     return fail(KDTREE_ERR_INVALID, "batch %d outside 1..%d (the schedule's bound)", batch, kdtree::kScheduleMaxBatch);
   if (sm_count < 1) return fail(KDTREE_ERR_INVALID, "sm_count %d < 1", sm_count);
-  int max_qlen = 0, max_kv_len = 0, total_q = 0;
+  if (int st = check_page_size(page_size)) return st;
+  int own_qlen = 0, kv_max = 0, total_q = 0;
   for (int b = 0; b < batch; ++b) {
     if (prefix_lens[b] < 0 || prefix_lens[b] > KDTREE_MAX_PREFIX || qlens[b] < 1 || qlens[b] > KDTREE_MAX_QLEN)
       return fail(KDTREE_ERR_INVALID, "request %d: prefix %d, tree %d outside the contract", b, prefix_lens[b],
                   qlens[b]);
-    max_qlen = qlens[b] > max_qlen ? qlens[b] : max_qlen;
-    max_kv_len = prefix_lens[b] + qlens[b] > max_kv_len ? prefix_lens[b] + qlens[b] : max_kv_len;
+    own_qlen = qlens[b] > own_qlen ? qlens[b] : own_qlen;
+    kv_max = prefix_lens[b] + qlens[b] > kv_max ? prefix_lens[b] + qlens[b] : kv_max;
     total_q += qlens[b];
   }
+  if (max_qlen == 0 && max_kv_len == 0) max_qlen = own_qlen, max_kv_len = kv_max;
+  if (max_qlen < own_qlen || max_kv_len < kv_max)
+    return fail(KDTREE_ERR_INVALID, "bounds %d / %d below the lengths' %d / %d", max_kv_len, max_qlen, kv_max, own_qlen);
   if (int st = validate_shape(batch, total_q, num_heads, max_qlen, max_kv_len)) return st;
-  const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count);
+  const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count,
+                                                                kdtree::gathered_tiles(page_size));
   const kdtree::FlashLaunch l = kdtree::flash_launch(host, batch, max_qlen, num_heads, sm_count, true);
   auto request = [&](int b) { return kdtree::schedule_request(prefix_lens[b], qlens[b], num_heads); };
   static thread_local kdtree::HostSchedule s;
@@ -355,7 +384,7 @@ int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int
   for (int b = 0; b < batch; ++b) splits[b] = s.splits[b], narrow_splits[b] = s.narrow_splits[b];
   *ctas = (int)s.units;
   *narrow_ctas = (int)s.narrow_units;
-  *model_tokens = kdtree::schedule_cost(s.k, batch, max_kv_len, sm_count, l, request);
+  *model_tokens = kdtree::schedule_cost(s.k, batch, kv_max, sm_count, l, request);
   *at_bounds = 1;
   for (int b = 0; b < batch; ++b) *at_bounds &= qlens[b] == max_qlen && prefix_lens[b] + qlens[b] == max_kv_len;
   return KDTREE_OK;

@@ -82,8 +82,10 @@
 
 namespace kdtree {
 
-FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count) {
-  const FlashSplitPlan split = plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count);
+FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                                 int sm_count) {
+  const FlashSplitPlan split = plan_flash_splits(batch, max_qlen, num_heads, max_kv_len, sm_count,
+                                                 gathered_tiles(page_size));
   FlashPlan plan{};
   plan.num_m_tiles = split.num_m_tiles;
   plan.launch = flash_launch(split, batch, max_qlen, num_heads, sm_count, false);

@@ -16,27 +16,28 @@ PROGRAM = r"""
 #include <cstdio>
 #include "kdev/flash_plan.cuh"
 // every choice weighed: the least cost, then the first choice (s, then sn) within 0.1 % of it
-static void exhaustive(int batch, int qlen, int heads, int kv, int sms, int* s_out, int* sn_out) {
+static void exhaustive(int batch, int qlen, int heads, int kv, int sms, bool gathered, int* s_out, int* sn_out) {
   double least = HUGE_VAL;
   for (int s = 1; s <= kdtree::kMaxSplits; ++s)
     for (int sn = 0; sn <= kdtree::kMaxSplits; ++sn) {
-      const double c = kdtree::flash_split_cost(batch, qlen, heads, kv, sms, s, sn);
+      const double c = kdtree::flash_split_cost(batch, qlen, heads, kv, sms, s, sn, gathered);
       least = c < least ? c : least;
     }
   for (int s = 1; s <= kdtree::kMaxSplits; ++s)
     for (int sn = 0; sn <= kdtree::kMaxSplits; ++sn)
-      if (kdtree::flash_split_cost(batch, qlen, heads, kv, sms, s, sn) <= least * (1 + 1e-3)) {
+      if (kdtree::flash_split_cost(batch, qlen, heads, kv, sms, s, sn, gathered) <= least * (1 + 1e-3)) {
         *s_out = s;
         *sn_out = sn;
         return;
       }
 }
 int main(int argc, char**) {
-  int batch, qlen, heads, kv, sms;
-  while (std::scanf("%d %d %d %d %d", &batch, &qlen, &heads, &kv, &sms) == 5) {
-    const kdtree::FlashSplitPlan p = kdtree::plan_flash_splits(batch, qlen, heads, kv, sms);
+  int batch, qlen, heads, kv, sms, page;
+  while (std::scanf("%d %d %d %d %d %d", &batch, &qlen, &heads, &kv, &sms, &page) == 6) {
+    const bool gathered = kdtree::gathered_tiles(page);
+    const kdtree::FlashSplitPlan p = kdtree::plan_flash_splits(batch, qlen, heads, kv, sms, gathered);
     int s = 0, sn = 0;
-    if (argc > 1) exhaustive(batch, qlen, heads, kv, sms, &s, &sn);
+    if (argc > 1) exhaustive(batch, qlen, heads, kv, sms, gathered, &s, &sn);
     std::printf("%d %d %d %d %d\n", p.num_m_tiles, p.num_splits, p.narrow_splits, s, sn);
   }
 }
@@ -58,9 +59,9 @@ def _compiled(tmp_path_factory, name: str, source: str) -> Path:
 def plan(tmp_path_factory):
     exe = _compiled(tmp_path_factory, "flash_plan", PROGRAM)
 
-    def run(shapes, exhaustive=False):
+    def run(shapes, exhaustive=False, page_size=64):
         out = subprocess.run([str(exe)] + (["exhaustive"] if exhaustive else []),
-                             input="".join(" ".join(map(str, s)) + "\n" for s in shapes),
+                             input="".join(" ".join(map(str, (*s, page_size))) + "\n" for s in shapes),
                              check=True, capture_output=True, text=True).stdout
         rows = [tuple(map(int, line.split())) for line in out.splitlines()]
         return rows if exhaustive else [r[:3] for r in rows]
@@ -84,6 +85,31 @@ def test_target_plans(plan):
     assert dict(zip(shapes, plan(shapes))) == TARGETS
 
 
+# The same at page size 1, where the tiles are gathered row by row and a narrow tile is priced at 0.65 of a full one
+# (0.5 where tensor copies bring them; flash_plan.cuh, narrow_price): more narrow splits beside one wave of full tiles
+TARGETS_PAGE_1 = {
+    (1, 65, 8, 32833, 132): (9, 15, 10),    # 120 + 10 = 130: one wave, the narrow CTAs no longer the longest
+    (1, 65, 8, 131137, 132): (9, 15, 10),   # one wave of 2,189-token CTAs where page 64 takes two waves of 31 splits
+    (4, 65, 8, 32833, 132): (9, 4, 45),
+    (16, 33, 8, 8225, 132): (5, 2, 9),
+    (1, 17, 8, 32785, 132): (3, 50, 32),
+    (1, 129, 8, 32897, 132): (17, 8, 126),  # 128 full CTAs; the tail's 126 short CTAs on the 4 SMs left, then all
+    (1, 65, 64, 32833, 132): (65, 2, 0),    # no narrow tile: as at page 64
+}
+
+
+def test_target_plans_at_page_size_1(plan):
+    shapes = list(TARGETS_PAGE_1)
+    assert dict(zip(shapes, plan(shapes, page_size=1))) == TARGETS_PAGE_1
+
+
+def test_the_page_size_changes_only_the_plans_with_a_narrow_tile(plan):
+    for shape, at_64, at_1 in zip(GRID, plan(GRID), plan(GRID, page_size=1)):
+        if at_64[2] == 0:
+            assert at_1 == at_64, shape
+    assert plan(GRID, page_size=32) == plan(GRID)  # a tile is one tensor copy from 32 tokens a page
+
+
 GRID = list(itertools.product([1, 3, 16, 64], [1, 2, 17, 33, 65, 129, 1025], [1, 8, 16, 64, 128],
                               [1, 100, 300, 8225, 32833, 262145], [1, 132, 188]))
 
@@ -103,8 +129,9 @@ def test_every_plan_is_well_formed(plan):
 def test_the_pruned_search_takes_what_weighing_every_choice_would(plan):
     # the planner skips choices by bounds; every grid shape on the H200 and the RTX PRO 6000, and the targets
     shapes = [g for g in GRID if g[4] != 1] + list(TARGETS)
-    for shape, (_, splits, narrow_splits, s, sn) in zip(shapes, plan(shapes, exhaustive=True)):
-        assert (splits, narrow_splits) == (s, sn), shape
+    for page_size in (64, 1):
+        for shape, (_, splits, narrow_splits, s, sn) in zip(shapes, plan(shapes, exhaustive=True, page_size=page_size)):
+            assert (splits, narrow_splits) == (s, sn), (shape, page_size)
 
 
 def test_no_split_where_one_wave_of_whole_ranges_fills_the_gpu(plan):
@@ -117,12 +144,13 @@ SCHEDULE = r"""
 #include <cstdio>
 #include <vector>
 #include "kdev/flash_plan.cuh"
-// stdin: batches, each "B H sms" then B lines "prefix T"; stdout per batch: the launch's caps, the host plan, the
-// schedule's k, each request's (splits, narrow splits, first row, first narrow row), then the CTAs' work in order
+// stdin: batches, each "B H sms page" then B lines "prefix T"; stdout per batch: the launch's caps, the host plan,
+// the schedule's k, the narrow price, each request's (splits, narrow splits, first row, first narrow row), then the
+// CTAs' work in order
 int main() {
-  int B, H, sms;
+  int B, H, sms, page;
   static kdtree::HostSchedule sch;
-  while (std::scanf("%d %d %d", &B, &H, &sms) == 3) {
+  while (std::scanf("%d %d %d %d", &B, &H, &sms, &page) == 4) {
     std::vector<int> prefix(B), qlen(B);
     int max_q = 1, max_kv = 1;
     for (int b = 0; b < B; ++b) {
@@ -130,15 +158,15 @@ int main() {
       max_q = qlen[b] > max_q ? qlen[b] : max_q;
       max_kv = prefix[b] + qlen[b] > max_kv ? prefix[b] + qlen[b] : max_kv;
     }
-    const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(B, max_q, H, max_kv, sms);
+    const kdtree::FlashSplitPlan host = kdtree::plan_flash_splits(B, max_q, H, max_kv, sms, kdtree::gathered_tiles(page));
     const kdtree::FlashLaunch l = kdtree::flash_launch(host, B, max_q, H, sms, true);  // the scheduled call's
     auto request = [&](int b) { return kdtree::schedule_request(prefix[b], qlen[b], H); };
     std::vector<int> units, narrow;
     kdtree::schedule_host(B, sms, l, request, sch,
         [&](long, int b, int m, int s) { units.push_back(b); units.push_back(m); units.push_back(s); },
         [&](long, int b, int s) { narrow.push_back(b); narrow.push_back(s); });
-    std::printf("%d %d %d %d %d %d %d %d %d\n", l.splits, l.narrow_splits, l.full_tiles, l.units, l.narrow_units,
-                l.rows, l.narrow_rows, sch.k, (int)kdtree::flash_workspace(B, l).bytes);
+    std::printf("%d %d %d %d %d %d %d %d %d %d\n", l.splits, l.narrow_splits, l.full_tiles, l.units, l.narrow_units,
+                l.rows, l.narrow_rows, sch.k, (int)kdtree::flash_workspace(B, l).bytes, l.narrow_price);
     for (int b = 0; b < B; ++b)
       std::printf("%d %d %ld %ld\n", sch.splits[b], sch.narrow_splits[b], sch.first_row[b], sch.first_narrow_row[b]);
     std::printf("%zu", units.size() / 3);
@@ -155,19 +183,20 @@ int main() {
 def schedule(tmp_path_factory):
     exe = _compiled(tmp_path_factory, "flash_schedule", SCHEDULE)
 
-    def run(batches):
-        text = "".join(f"{len(reqs)} {heads} {sms}\n" + "".join(f"{L} {T}\n" for L, T in reqs)
-                       for reqs, heads, sms in batches)
+    def run(batches):  # each (requests, heads, SMs[, page size: 64])
+        text = "".join(f"{len(b[0])} {b[1]} {b[2]} {b[3] if len(b) > 3 else 64}\n" +
+                       "".join(f"{L} {T}\n" for L, T in b[0]) for b in batches)
         lines = iter(subprocess.run([str(exe)], input=text, check=True, capture_output=True,
                                     text=True).stdout.splitlines())
         out = []
-        for reqs, heads, sms in batches:
+        for reqs, *_ in batches:
             head = list(map(int, next(lines).split()))
             per = [tuple(map(int, next(lines).split())) for _ in reqs]
             u = list(map(int, next(lines).split()))
             n = list(map(int, next(lines).split()))
             out.append({"splits": head[0], "narrow_splits": head[1], "full_tiles": head[2], "units_cap": head[3],
                         "narrow_cap": head[4], "rows_cap": head[5], "narrow_rows_cap": head[6], "k": head[7],
+                        "narrow_price": head[9],
                         "requests": per, "units": [tuple(u[1 + 3 * i:4 + 3 * i]) for i in range(u[0])],
                         "narrow": [tuple(n[1 + 2 * i:3 + 2 * i]) for i in range(n[0])]})
         return out
@@ -201,13 +230,18 @@ def _host_costs(reqs, heads, sched):
         narrow = sched["narrow_splits"] > 0 and rows - (m - 1) * 64 <= 16
         costs += [min(_chunk(L + T, sched["splits"]), L + T) + 192] * ((m - narrow) * sched["splits"])
         if narrow:
-            costs += [min(_chunk(L + T, sched["narrow_splits"]), L + T) // 2 + 192] * sched["narrow_splits"]
+            costs += [_narrow_cost(min(_chunk(L + T, sched["narrow_splits"]), L + T), sched)] * sched["narrow_splits"]
     return costs
+
+
+def _narrow_cost(tokens, sched):
+    """A narrow CTA's time in tokens: its range at the launch's narrow price (thousandths, as the program reports)."""
+    return tokens * sched["narrow_price"] // 1000 + 192
 
 
 def _sched_costs(reqs, sched):
     costs = [min(_chunk(sum(reqs[b]), sched["requests"][b][0]), sum(reqs[b])) + 192 for b, _, _ in sched["units"]]
-    return costs + [min(_chunk(sum(reqs[b]), sched["requests"][b][1]), sum(reqs[b])) // 2 + 192
+    return costs + [_narrow_cost(min(_chunk(sum(reqs[b]), sched["requests"][b][1]), sum(reqs[b])), sched)
                     for b, _ in sched["narrow"]]
 
 
@@ -264,13 +298,14 @@ def test_random_batches_are_covered_once_and_balanced(schedule):
         B = rng.choice([1, 2, 3, 8, 16, 33, 64, 256])
         heads = rng.choice([1, 8, 16, 64, 128])
         sms = rng.choice([8, 132, 188])
+        page = rng.choice([1, 64])
         long_tail = rng.random() < 0.5
         reqs = [(rng.choice([rng.randrange(0, 4096), rng.randrange(0, 262144)]) if long_tail
                  else rng.randrange(0, 65536), rng.choice([1, 2, 17, 33, 65, 129, rng.randrange(1, 1026)]))
                 for _ in range(B)]
-        batches.append((reqs, heads, sms))
+        batches.append((reqs, heads, sms, page))
     worse = []
-    for (reqs, heads, sms), s in zip(batches, schedule(batches)):
+    for (reqs, heads, sms, _), s in zip(batches, schedule(batches)):
         _check(reqs, heads, sms, s)
         mine, host = _makespan(_sched_costs(reqs, s), sms), _makespan(_host_costs(reqs, heads, s), sms)
         ideal = max(sum(_sched_costs(reqs, s)) / sms, max(_sched_costs(reqs, s)))

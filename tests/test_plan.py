@@ -113,13 +113,13 @@ def test_split_tiles_cover_the_range_in_whole_tiles(kv_len, splits):
 def test_the_library_refuses_a_shape_it_would_refuse_to_launch(library):
     gpu = kplan.resolve_gpu("h200")
     with pytest.raises(BadInput, match="max_qlen 1026 outside 1..1025"):
-        library.split_plan(1, 1026, 8, 1026, 5000, gpu)
+        library.split_plan(1, 1026, 8, 1026, 5000, 64, gpu)
     with pytest.raises(BadInput, match="total_q 9 inconsistent with batch 2 and max_qlen 4"):
-        library.split_plan(2, 9, 8, 4, 5000, gpu)
+        library.split_plan(2, 9, 8, 4, 5000, 64, gpu)
     # a bound, not the largest tree: a graph captured for 129-node trees replays one of 65 nodes
-    assert library.split_plan(1, 65, 8, 129, 5000, gpu) == library.split_plan(1, 129, 8, 129, 5000, gpu)
+    assert library.split_plan(1, 65, 8, 129, 5000, 64, gpu) == library.split_plan(1, 129, 8, 129, 5000, 64, gpu)
     with pytest.raises(BadInput, match="sm_count 0 < 1"):
-        library.split_plan(1, 65, 8, 65, 5000, dataclasses.replace(gpu, sms=0))
+        library.split_plan(1, 65, 8, 65, 5000, 64, dataclasses.replace(gpu, sms=0))
 
 
 def test_no_gpu_here_plans_for_the_deploy_target(monkeypatch):
@@ -261,3 +261,27 @@ def test_a_skewed_batch_shows_the_device_schedule_beside_the_host_plan(library):
     assert library.schedule_plan(uniform, [17] * 4, gpu)["host_plan"]
     with pytest.raises(BadInput, match="batch 300 outside"):
         library.schedule_plan(bench.Shape(batch=300, prefix=100, budget=4, heads=8, requests="300x100"), [5] * 300, gpu)
+
+
+def test_a_replay_is_planned_at_its_captures_bounds_and_a_narrow_tile_by_its_page_size(library):
+    """A shape with a capture axis is the call a replayed graph makes: its plain launch and its device schedule are
+    planned at the capture's bounds, its KV and floor are its own. The page size prices a narrow tile (flash_plan.cuh,
+    narrow_price): at page size 1 the same batch takes more narrow splits; the plan of a shape without one is the same."""
+    gpu = kplan.resolve_gpu("h100")
+    own = bench.Shape(batch=1, prefix=32768, budget=64, heads=8, page_size=64)
+    replay = dataclasses.replace(own, capture="131072/128")
+    p_own, p_replay = kplan.plan_shape(library, own, gpu), kplan.plan_shape(library, replay, gpu)
+    at_bounds = library.split_plan(1, 65, 8, 129, 131072 + 129, 64, gpu)
+    assert (p_replay.splits, p_replay.narrow_splits, p_replay.row_tiles) == \
+        (at_bounds["splits"], at_bounds["narrow_splits"], at_bounds["row_tiles"]) != \
+        (p_own.splits, p_own.narrow_splits, p_own.row_tiles)
+    assert (p_replay.kv_bytes, p_replay.floor_us) == (p_own.kv_bytes, p_own.floor_us)
+    assert p_own.schedule is None and p_replay.schedule and not p_replay.schedule["host_plan"]
+    assert p_replay.schedule["k"] == library.schedule_plan(replay, [65], gpu)["k"]
+    page1 = kplan.plan_shape(library, dataclasses.replace(own, page_size=1), gpu)
+    assert (page1.splits, page1.narrow_splits) == (15, 10) and (p_own.splits, p_own.narrow_splits) == (15, 8)
+    wide = dataclasses.replace(own, heads=64)  # 4,160 rows: whole tiles, no narrow one
+    assert kplan.plan_shape(library, wide, gpu).splits == \
+        kplan.plan_shape(library, dataclasses.replace(wide, page_size=1), gpu).splits
+    with pytest.raises(BadInput, match="page_size 3"):
+        library.split_plan(1, 65, 8, 65, 5000, 3, gpu)

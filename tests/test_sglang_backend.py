@@ -187,6 +187,31 @@ def test_the_backend_serves_target_verify_and_delegates_every_other_mode(seed):
     assert backend.get_cuda_graph_seq_len_fill_value() == "get_cuda_graph_seq_len_fill_value"
 
 
+def test_a_scheduled_kernel_is_scheduled_once_per_forward_by_its_first_layer(monkeypatch, seed):
+    from kdev import ops
+
+    made = []
+    real = ops._schedule_bytes
+    monkeypatch.setattr(ops, "_schedule_bytes", lambda *a: made.append(a[4]) or real(*a))
+    rng = np.random.default_rng(seed)
+    heads, T, page_size = 4, 9, 64
+    x = make_batch(rng, 2, T, page_size, max_prefix=40)
+    backend = kb.KdevVerifyBackend(Fallback(), x["req_to_token"], page_size, 4096, T, kernel="flash-scheduled")
+    fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), req_pool_indices=x["req_pool_indices"],
+                               seq_lens=x["seq_lens"], seq_lens_cpu=x["seq_lens"], positions=x["positions"],
+                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"]),
+                               out_cache_loc=x["out_cache_loc"], token_to_kv_pool=Pool(x["slots"], layers=3))
+    for forward in range(2):
+        backend.init_forward_metadata(fb)
+        for layer_id in range(3):
+            layer = types.SimpleNamespace(layer_id=layer_id, tp_q_head_num=heads, scaling=0.1)
+            q = torch.randn(2 * T, heads * cabi.QK_DIM).to(torch.bfloat16)
+            k = torch.randn(2 * T, 1, cabi.QK_DIM).to(torch.bfloat16)
+            out = backend.forward_extend(q, k, k[..., : cabi.LATENT_DIM], layer, fb)
+            assert out.shape == (2 * T, heads * cabi.LATENT_DIM)
+        assert made == ["flash-scheduled"] * (forward + 1)  # layer 0 made it; layers 1 and 2 read it
+
+
 def test_a_graphs_buffers_are_filled_at_capture_and_refilled_in_place_at_replay(seed):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)

@@ -176,7 +176,9 @@ def e2e_cmd(
                                "each, the same prompts and references."),
     page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the latent cache."),
     backend: str = typer.Option("reference", "--backend", help="The verify attention: reference (float64: every "
-                                "difference fails), naive, flash, flash-portable (bf16 kernels, CUDA)."),
+                                "difference fails), naive, flash, flash-portable, flash-scheduled, "
+                                "flash-portable-scheduled (bf16 kernels, CUDA; the scheduled ones make their schedule "
+                                "once per forward)."),
     depth: int = typer.Option(8, "--depth", help="Drafter depths after the root."),
     topk: int = typer.Option(4, "--topk", help="Drafter tokens per depth."),
     agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),

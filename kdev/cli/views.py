@@ -221,7 +221,7 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
             "the planner's model (KV tiles: the full tiles' waves, then the narrow CTAs on the SMs they leave, each CTA "
             "its tiles + 6; full/narrow splits: cost, over the cheapest)",
             ["shape", "taken", "cheapest four", "one split"], rows, {"left": ("shape", "taken", "cheapest four", "one split")}))
-    for p in doc["plans"]:  # a skewed batch: what the device schedule cuts, beside the host plan's one count
+    for p in doc["plans"]:  # a skewed batch or a replay: what the device schedule cuts, beside the host plan's one count
         s = p.get("schedule")
         if not s:
             continue

@@ -18,7 +18,7 @@ import torch
 
 from kdev import cabi, mla
 
-BACKENDS = ("reference", "naive", "flash", "flash-portable")
+BACKENDS = ("reference", "naive", "flash", "flash-portable", "flash-scheduled", "flash-portable-scheduled")
 
 
 class PagedLatentCache:
@@ -67,6 +67,7 @@ class LatentAttention:
             raise ValueError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
         self.cache, self.backend, self.sync = cache, backend, sync
         self.step: VerifyStep | None = None
+        self.schedule = None  # a scheduled kernel's, once per forward (kdev.ops.StepSchedule; made on first use)
         self.seconds = 0.0  # the verify attention's time, every layer and forward
         self.timed = True  # off while a CUDA graph is captured (no synchronisation is allowed there)
 
@@ -90,15 +91,20 @@ class LatentAttention:
             out, _ = mla.reference_verify_attn(q_rows, pool, cache.page_table, step.prefix_lens, step.q_indptr, mask,
                                                scale, device=q_rows.device)
         else:
-            import kdev.ops  # noqa: F401  (registers torch.ops.kdev)
+            import kdev.ops  # registers torch.ops.kdev
 
+            if self.schedule is None:
+                self.schedule = kdev.ops.StepSchedule(self.backend)
+            ws = self.schedule.workspace(layer, step.prefix_lens, step.q_indptr, q_rows.shape[1], cache.page_size,
+                                         step.max_qlen, step.max_kv_len)
             out, _ = torch.ops.kdev.verify_attn(q_rows.to(torch.bfloat16), pool, cache.page_table, step.prefix_lens,
                                                 step.q_indptr, mask, scale, self.backend, step.max_qlen,
-                                                step.max_kv_len)
+                                                step.max_kv_len, ws)
         if self.timed:
             self.sync()
             self.seconds += time.perf_counter() - t0
         return out.to(q_rows.dtype)
+
 
 
 class AbsorbedMLA(torch.nn.Module):

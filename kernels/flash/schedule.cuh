@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kScheduleThreads) flash_schedule_kernel(Verify
 #pragma unroll
     for (int off = 1; off < kScheduleLanes; off *= 2) tails += __shfl_xor_sync(0xffffffffu, tails, off);
     const int narrow = schedule_narrow(tails, l);
-    ScheduleSums t = schedule_sums(k, narrow, part, kScheduleLanes, B, kv_max, request);
+    ScheduleSums t = schedule_sums(k, narrow, l.narrow_price, part, kScheduleLanes, B, kv_max, request);
 #pragma unroll
     for (int off = 1; off < kScheduleLanes; off *= 2) {
       ScheduleSums o;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kScheduleThreads) flash_schedule_kernel(Verify
       o.big = 0;
       t = schedule_merge(t, o);
     }
-    long big = schedule_big(k, narrow, part, kScheduleLanes, B, kv_max, schedule_largest(t), request);
+    long big = schedule_big(k, narrow, l.narrow_price, part, kScheduleLanes, B, kv_max, schedule_largest(t), request);
 #pragma unroll
     for (int off = 1; off < kScheduleLanes; off *= 2) big += __shfl_xor_sync(0xffffffffu, big, off);
     t.big = big;
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kScheduleThreads) flash_schedule_kernel(Verify
   __syncthreads();
   auto full_key = [&](int b) { return full[b] > 0 ? schedule_unit_cost(req[b].kv_len, splits[b]) : 0LL; };
   auto narrow_key = [&](int b) {
-    return narrow_splits[b] ? schedule_narrow_unit_cost(req[b].kv_len, narrow_splits[b]) : 0LL;
+    return narrow_splits[b] ? schedule_narrow_unit_cost(req[b].kv_len, narrow_splits[b], l.narrow_price) : 0LL;
   };
   for (int b = tid; b < B; b += kScheduleThreads) {
     order[schedule_rank(b, B, full_key)] = b;

@@ -115,7 +115,7 @@ def test_flash_portable_with_the_sm120_split_plan(lib, nodes, heads, splits, see
                            tree=config.TreeSpec("random", nodes=nodes), heads=heads, page_size=64, seed=seed,
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
     target = kplan.resolve_gpu("rtx-pro-6000")
-    planned = kplan.PlanLibrary(lib.path).split_plan(1, nodes, heads, nodes, 32768 + 65, target)["splits"]
+    planned = kplan.PlanLibrary(lib.path).split_plan(1, nodes, heads, nodes, 32768 + 65, 64, target)["splits"]
     assert planned == splits
     lib.plan_as(target.sms)
     try:
@@ -150,7 +150,7 @@ def test_flash_narrow_row_tiles(lib, prefix_lens, nodes, page_size, plan, kernel
                            model="kimi-k2.6", tolerances=config.DEFAULT_TOLERANCES)
     h200 = kplan.resolve_gpu("h200")
     B, kv = len(prefix_lens), max(prefix_lens) + nodes
-    planned = kplan.PlanLibrary(lib.path).split_plan(B, B * nodes, 8, nodes, kv, h200)
+    planned = kplan.PlanLibrary(lib.path).split_plan(B, B * nodes, 8, nodes, kv, page_size, h200)
     assert (planned["splits"], planned["narrow_splits"]) == plan
     lib.plan_as(h200.sms)
     try:

@@ -128,6 +128,7 @@ class KdevVerifyBackend:
         self.check = os.environ.get("KDEV_SGLANG_CHECK") == "1" if check is None else check
         self.graph_buffers: VerifyBatch | None = None
         self.batch: VerifyBatch | None = None  # this forward's verify inputs (TARGET_VERIFY only)
+        self.step_schedule = None  # a scheduled kernel's, once per forward (kdev.ops.StepSchedule; made on first use)
 
     def __getattr__(self, name):  # only for what this class does not define: the fallback's hooks and state
         if name == "fallback":
@@ -192,8 +193,10 @@ class KdevVerifyBackend:
         """The absorbed MLA verify: q [N, H, 576] (or 512 + q_rope's 64), the nodes' latent rows k [N, 1, 576] (or
         512 + k_rope's 64) written at forward_batch.out_cache_loc, then kdev's kernel over prefix + tree; out
         [N, H * 512] in q's dtype, as SGLang's MLA backends return it."""
-        import kdev.ops  # noqa: F401  (registers torch.ops.kdev)
+        import kdev.ops  # registers torch.ops.kdev
 
+        if self.step_schedule is None:
+            self.step_schedule = kdev.ops.StepSchedule(self.kernel)
         if self.batch is None:
             raise RuntimeError("kdev's SGLang backend: TARGET_VERIFY forward without its metadata hook")
         pool = forward_batch.token_to_kv_pool
@@ -209,7 +212,10 @@ class KdevVerifyBackend:
         kv_cache = pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, cabi.QK_DIM)
         b = self.batch
         out, _ = torch.ops.kdev.verify_attn(q.to(torch.bfloat16), kv_cache, b.page_table, b.prefix_lens, b.q_indptr,
-                                            b.tree_mask, float(layer.scaling), self.kernel, b.max_qlen, b.max_kv_len)
+                                            b.tree_mask, float(layer.scaling), self.kernel, b.max_qlen, b.max_kv_len,
+                                            self.step_schedule.workspace(layer.layer_id, b.prefix_lens, b.q_indptr,
+                                                                         heads, self.page_size, b.max_qlen,
+                                                                         b.max_kv_len))
         return out.to(q.dtype).reshape(-1, heads * cabi.LATENT_DIM)
 
 

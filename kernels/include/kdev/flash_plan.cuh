@@ -23,19 +23,33 @@ constexpr int kBlockM = KDTREE_FLASH_BLOCK_M;
 constexpr int kBlockN = KDTREE_FLASH_BLOCK_N;
 constexpr int kNarrowRows = KDTREE_FLASH_NARROW_ROWS;
 constexpr int kMaxSplits = KDTREE_FLASH_MAX_SPLITS;
-// A narrow tile's time over a full tile's: measured 0.48 (Nsight Compute, B1 L32K N64 H8: a narrow CTA over two
-// splits' range 150.8 us, a full CTA over one 155.6 us; NOTES.md, flash v16).
-constexpr double kNarrowTileCost = 0.5;
-// The same for a narrow CTA that starts after the full-tile kernel: measured 1.06-1.07 (the v29 timeline: at B16 a wave
-// of 132 narrow CTAs of 25.7 tiles took 54.8 us after the last full CTA, at B4 128 of 21.8 tiles 48.0 us; NOTES.md, flash
-// v29). Beside the full CTAs a narrow CTA reads KV that they read too, from L2; after them a wave of narrow CTAs reads it
-// all from memory at once.
-constexpr double kNarrowColdTileCost = 1.05;
+// A narrow tile's time over a full tile's, per KV tile, in thousandths: beside the full-tile kernel (`hot`: the KV it
+// reads is in L2, read there by the full tiles too) and after it (`cold`: a wave of narrow CTAs reads it all from memory
+// at once). It depends on how a tile reaches shared memory:
+// - tensor copies (pages of >= KDTREE_FLASH_TENSOR_COPY_MIN_PAGE tokens): hot 500, measured 0.48 (Nsight Compute, B1 L32K
+//   N64 H8: a narrow CTA over two splits' range 150.8 us, a full CTA over one 155.6 us; docs/history, flash v16); cold
+//   1,050, measured 1.06-1.07 (the v29 timeline: at B16 a wave of 132 narrow CTAs of 25.7 tiles took 54.8 us after the
+//   last full CTA, at B4 128 of 21.8 tiles 48.0 us; docs/history, flash v29).
+// - row gathers (cp.async, smaller pages): a tile's time is mostly its 32 row copies and their page-table reads, which a
+//   narrow tile makes as a full one does, beside a quarter of the tensor work. Hot 650, from the replay sweep on an H100
+//   (docs/history/rounds-2026-12-06.md): at 1, 32K, 65, 8, page 1, 126 full-tile CTAs of 2,345 tokens took 218.7 us
+//   where 120 of 2,189 beside 8 narrow ones of 4,104 took 258.4 (a fixed cost of 10-20 us puts the narrow price at
+//   0.62-0.68). Cold 1,000: not measured (a gathered tile's time is less its memory read than a copied one's).
+struct NarrowPrice {
+  int hot, cold;
+};
+KDTREE_HOST_DEVICE constexpr bool gathered_tiles(int page_size) {
+  return page_size < KDTREE_FLASH_TENSOR_COPY_MIN_PAGE;
+}
+KDTREE_HOST_DEVICE constexpr NarrowPrice narrow_price(bool gathered) {
+  return gathered ? NarrowPrice{650, 1000} : NarrowPrice{500, 1050};
+}
 
 struct FlashSplitPlan {
   int num_m_tiles;    // ceil(max_qlen * heads / 64)
   int num_splits;     // KV splits per (request, full row tile)
   int narrow_splits;  // KV splits of a request's narrow last row tile, cut on their own; 0: no narrow kernel
+  bool gathered;      // the tiles are gathered row by row (narrow_price)
 };
 
 // The model's time, in KV tiles, of a launch whose full-tile CTAs all take `full_cta` and narrow CTAs `narrow_cta`
@@ -86,19 +100,21 @@ inline FlashShape flash_shape(int max_qlen, int heads, int max_kv_len) {
 }
 
 // A CTA's time is its KV tiles plus a fixed cost worth ~6 tiles of traffic (the 72 KB Q load, the 128 KB fp32 partial
-// and its share of the combine). A narrow tile is charged kNarrowTileCost of a full one beside the full-tile kernel and
-// kNarrowColdTileCost after it. The plan counts the largest request's row tiles (every request alike in the targets).
+// and its share of the combine). A narrow tile is charged narrow_price(gathered) of a full one, beside the full-tile
+// kernel and after it. The plan counts the largest request's row tiles (every request alike in the targets).
 // flash_split_cost is the launch's time, in KV tiles, for s splits of every full row tile and sn of every narrow one;
 // infinity for a choice the planner may not take (fewer than 256 tokens (8 tiles) per split, more splits than the
 // combine holds, sn = 0 with a narrow tile or sn > 0 without one, s > 1 without a full tile). kdtree_flash_split_cost
 // reports it.
-inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, int s, int sn) {
+inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, int s, int sn,
+                               bool gathered) {
   const auto [num_m_tiles, full, narrow, tiles, max_splits] = flash_shape(max_qlen, heads, max_kv_len);
   if (s < 1 || s > max_splits || (full == 0 && s > 1)) return HUGE_VAL;
   if (narrow ? sn < 1 || sn > max_splits : sn != 0) return HUGE_VAL;
+  const NarrowPrice price = narrow_price(gathered);
   const double full_cta = tiles / s + 6.0;
-  const double narrow_cta = narrow ? kNarrowTileCost * tiles / sn + 6.0 : 0.0;
-  const double narrow_cold_cta = narrow ? kNarrowColdTileCost * tiles / sn + 6.0 : 0.0;
+  const double narrow_cta = narrow ? price.hot * 1e-3 * tiles / sn + 6.0 : 0.0;
+  const double narrow_cold_cta = narrow ? price.cold * 1e-3 * tiles / sn + 6.0 : 0.0;
   return flash_launch_time((long)batch * full * s, full_cta, (long)batch * narrow * sn, narrow_cta, narrow_cold_cta,
                            sm_count);
 }
@@ -109,9 +125,10 @@ inline double flash_split_cost(int batch, int max_qlen, int heads, int max_kv_le
 // grows with sn (both at the cost beside the full tiles, the lesser). So a call weighs tens of choices, not 128 x 129
 // (the planner runs on every flash call).
 template <typename Visit>
-inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, double bound,
-                                Visit&& visit) {
+inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_len, int sm_count, bool gathered,
+                                double bound, Visit&& visit) {
   const auto [num_m_tiles, full, narrow, tiles, max_splits] = flash_shape(max_qlen, heads, max_kv_len);
+  const double hot = narrow_price(gathered).hot * 1e-3;
   for (int s = 1; s <= (full ? max_splits : 1); ++s) {
     const long full_ctas = (long)batch * full * s;
     const double full_cta = tiles / s + 6.0;
@@ -124,17 +141,17 @@ inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_l
     const long waves = (full_ctas + sm_count - 1) / sm_count;
     const long early = waves > 0 ? sm_count - (full_ctas - (waves - 1) * sm_count) : 0;
     const double t0 = waves > 0 ? t1 - full_cta : 0.0, first = early > 0 ? t0 : t1;
-    // a narrow CTA ends after the first narrow start: first + kNarrowTileCost tiles / sn + 6 <= bound
+    // a narrow CTA ends after the first narrow start: first + hot tiles / sn + 6 <= bound
     const double room = bound - first - 6.0;
     if (room <= 0.0) continue;
-    int sn = (int)std::ceil(kNarrowTileCost * tiles / room - 1e-9);
+    int sn = (int)std::ceil(hot * tiles / room - 1e-9);
     for (sn = sn < 1 ? 1 : sn; sn <= max_splits; ++sn) {
-      // the narrow work, batch (kNarrowTileCost tiles + 6 sn), on the early SMs until t1, then on every SM
-      const double work = (double)batch * (kNarrowTileCost * tiles + 6.0 * sn);
+      // the narrow work, batch (hot tiles + 6 sn), on the early SMs until t1, then on every SM
+      const double work = (double)batch * (hot * tiles + 6.0 * sn);
       const double early_room = (double)early * (t1 - t0);
       const double end = work <= early_room ? t0 + work / early : t1 + (work - early_room) / sm_count;
       if (end > bound) break;
-      visit(s, sn, flash_split_cost(batch, max_qlen, heads, max_kv_len, sm_count, s, sn));
+      visit(s, sn, flash_split_cost(batch, max_qlen, heads, max_kv_len, sm_count, s, sn, gathered));
     }
   }
 }
@@ -143,21 +160,25 @@ inline void flash_split_choices(int batch, int max_qlen, int heads, int max_kv_l
 // fewest splits, full first: fewer partials to write and merge. The first bound is the cost of cutting the narrow
 // tiles by half the full tiles' count, the choice v16 to v28 made. (v2 used waves / s + 0.01 (s - 1), which
 // under-split; NOTES.md.)
-inline FlashSplitPlan plan_flash_splits(int batch, int max_qlen, int heads, int max_kv_len, int sm_count) {
+inline FlashSplitPlan plan_flash_splits(int batch, int max_qlen, int heads, int max_kv_len, int sm_count,
+                                        bool gathered) {
   const FlashShape shape = flash_shape(max_qlen, heads, max_kv_len);
   const bool narrow = shape.narrow != 0;
   FlashSplitPlan plan{};
   plan.num_m_tiles = shape.num_m_tiles;
+  plan.gathered = gathered;
   double least = HUGE_VAL;
   for (int s = 1; s <= kMaxSplits; ++s) {
-    const double cost = flash_split_cost(batch, max_qlen, heads, max_kv_len, sm_count, s, narrow ? (s + 1) / 2 : 0);
+    const double cost =
+        flash_split_cost(batch, max_qlen, heads, max_kv_len, sm_count, s, narrow ? (s + 1) / 2 : 0, gathered);
     least = cost < least ? cost : least;
   }
-  flash_split_choices(batch, max_qlen, heads, max_kv_len, sm_count, least, [&](int, int, double cost) {
+  flash_split_choices(batch, max_qlen, heads, max_kv_len, sm_count, gathered, least, [&](int, int, double cost) {
     least = cost < least ? cost : least;
   });
   plan.num_splits = 0;
-  flash_split_choices(batch, max_qlen, heads, max_kv_len, sm_count, least * (1 + 1e-3), [&](int s, int sn, double cost) {
+  flash_split_choices(batch, max_qlen, heads, max_kv_len, sm_count, gathered, least * (1 + 1e-3),
+                      [&](int s, int sn, double cost) {
     if (plan.num_splits == 0 && cost <= least * (1 + 1e-3)) {
       plan.num_splits = s;
       plan.narrow_splits = sn;
@@ -187,6 +208,7 @@ struct FlashLaunch {
   int sm_count;               // the SMs the schedule is cut for (the plan's: plan_sm_count where set)
   int units, narrow_units;    // the full-tile and narrow kernels' grids (CTAs)
   int rows, narrow_rows;      // partial rows in the workspace: 64 per full CTA, 16 per narrow CTA
+  int narrow_price;           // a narrow tile's time over a full one's beside the full tiles, in thousandths
 };
 // The launch from the host plan. Plain: its grids and partial rows. Scheduled: the narrow grid is the host plan's; the
 // full-tile grid the host plan's or one CTA per SM, whichever is more (the CTAs past the schedule's find no work and
@@ -197,7 +219,8 @@ inline FlashLaunch flash_launch(const FlashSplitPlan& plan, int batch, int max_q
   const FlashShape f = flash_shape(max_qlen, heads, max_qlen);
   const long host_units = (long)batch * f.full * plan.num_splits, host_narrow = (long)batch * plan.narrow_splits;
   const long host_rows = plan.num_splits > 1 ? (long)batch * f.num_m_tiles * plan.num_splits : 0;
-  FlashLaunch l{scheduled ? 1 : 0, plan.num_splits, plan.narrow_splits, (int)f.full, f.num_m_tiles, sm_count, 0, 0, 0, 0};
+  FlashLaunch l{scheduled ? 1 : 0, plan.num_splits, plan.narrow_splits, (int)f.full, f.num_m_tiles, sm_count, 0, 0, 0, 0,
+                narrow_price(plan.gathered).hot};
   if (!scheduled) {
     l.units = (int)(host_units > 0 ? host_units : 1);
     l.narrow_units = (int)host_narrow;
@@ -238,7 +261,7 @@ KDTREE_HOST_DEVICE inline int schedule_splits(int k, int kv_len, int kv_max) {
   return s < 1 ? 1 : (s > most ? most : s);
 }
 // A split's length as the kernels cut it (split_chunk), in tokens; a CTA's time in tokens: its chunk plus a fixed cost
-// worth 6 KV tiles (as flash_split_cost counts), half the chunk for a narrow tile.
+// worth 6 KV tiles (as flash_split_cost counts), for a narrow tile its chunk at the launch's narrow price (thousandths).
 KDTREE_HOST_DEVICE inline long long schedule_chunk(int kv_len, int splits) {
   const int chunk = (kv_len + splits - 1) / splits;
   return (chunk + kBlockN - 1) / kBlockN * kBlockN;
@@ -246,8 +269,8 @@ KDTREE_HOST_DEVICE inline long long schedule_chunk(int kv_len, int splits) {
 KDTREE_HOST_DEVICE inline long long schedule_unit_cost(int kv_len, int splits) {
   return schedule_chunk(kv_len, splits) + 6 * kBlockN;
 }
-KDTREE_HOST_DEVICE inline long long schedule_narrow_unit_cost(int kv_len, int narrow_splits) {
-  return schedule_chunk(kv_len, narrow_splits) / 2 + 6 * kBlockN;
+KDTREE_HOST_DEVICE inline long long schedule_narrow_unit_cost(int kv_len, int narrow_splits, int price) {
+  return schedule_chunk(kv_len, narrow_splits) * price / 1000 + 6 * kBlockN;
 }
 // A request's full-tile CTAs per split and whether its tail goes to the narrow kernel: there where the launch has one
 // and every tail's splits fit its grid (the multiplier `narrow` > 0), else the tail is a full-tile CTA's.
@@ -284,14 +307,14 @@ struct ScheduleSums {
   long units, narrow_units, rows, big;  // rows: full-tile partial rows (requests of > 1 split: all their row tiles')
 };
 template <typename Request>
-KDTREE_HOST_DEVICE inline ScheduleSums schedule_sums(int k, int narrow, int b0, int step, int batch, int kv_max,
-                                                     Request&& request) {
+KDTREE_HOST_DEVICE inline ScheduleSums schedule_sums(int k, int narrow, int price, int b0, int step, int batch,
+                                                     int kv_max, Request&& request) {
   ScheduleSums t{};
   for (int b = b0; b < batch; b += step) {
     const ScheduleRequest r = request(b);
     const int s = schedule_splits(k, r.kv_len, kv_max), f = schedule_full_tiles(r, narrow);
     const int sn = schedule_narrow_splits(s, narrow, r.kv_len);
-    const long long c = schedule_unit_cost(r.kv_len, s), cn = schedule_narrow_unit_cost(r.kv_len, sn);
+    const long long c = schedule_unit_cost(r.kv_len, s), cn = schedule_narrow_unit_cost(r.kv_len, sn, price);
     t.units += (long)f * s;
     t.work += (long long)f * s * c;
     if (s > 1) t.rows += (long)kBlockM * r.row_tiles * s;
@@ -306,7 +329,7 @@ KDTREE_HOST_DEVICE inline ScheduleSums schedule_sums(int k, int narrow, int b0, 
 }
 // The CTAs over half of `largest` (the whole batch's largest CTA time), over the same requests.
 template <typename Request>
-KDTREE_HOST_DEVICE inline long schedule_big(int k, int narrow, int b0, int step, int batch, int kv_max,
+KDTREE_HOST_DEVICE inline long schedule_big(int k, int narrow, int price, int b0, int step, int batch, int kv_max,
                                             long long largest, Request&& request) {
   long big = 0;
   for (int b = b0; b < batch; b += step) {
@@ -314,7 +337,7 @@ KDTREE_HOST_DEVICE inline long schedule_big(int k, int narrow, int b0, int step,
     const int s = schedule_splits(k, r.kv_len, kv_max), f = schedule_full_tiles(r, narrow);
     const int sn = schedule_narrow_splits(s, narrow, r.kv_len);
     if (f > 0 && 2 * schedule_unit_cost(r.kv_len, s) > largest) big += (long)f * s;
-    if (r.tail && narrow && 2 * schedule_narrow_unit_cost(r.kv_len, sn) > largest) big += sn;
+    if (r.tail && narrow && 2 * schedule_narrow_unit_cost(r.kv_len, sn, price) > largest) big += sn;
   }
   return big;
 }
@@ -349,8 +372,8 @@ KDTREE_HOST_DEVICE inline long long schedule_time(const ScheduleSums& t, int sm_
 template <typename Request>
 inline long long schedule_cost(int k, int batch, int kv_max, int sm_count, const FlashLaunch& l, Request&& request) {
   const int narrow = schedule_narrow(schedule_tail_splits(k, 0, 1, batch, kv_max, request), l);
-  ScheduleSums t = schedule_sums(k, narrow, 0, 1, batch, kv_max, request);
-  t.big = schedule_big(k, narrow, 0, 1, batch, kv_max, schedule_largest(t), request);
+  ScheduleSums t = schedule_sums(k, narrow, l.narrow_price, 0, 1, batch, kv_max, request);
+  t.big = schedule_big(k, narrow, l.narrow_price, 0, 1, batch, kv_max, schedule_largest(t), request);
   return schedule_time(t, sm_count, l);
 }
 // The choice among candidates 1..kMaxSplits (1 always fits the grids): the least time, and of the candidates within
@@ -415,7 +438,8 @@ inline void schedule_host(int batch, int sm_count, const FlashLaunch& l, Request
   }
   auto full_key = [&](int b) { return full[b] > 0 ? schedule_unit_cost(request(b).kv_len, out.splits[b]) : 0LL; };
   auto narrow_key = [&](int b) {
-    return out.narrow_splits[b] ? schedule_narrow_unit_cost(request(b).kv_len, out.narrow_splits[b]) : 0LL;
+    return out.narrow_splits[b] ? schedule_narrow_unit_cost(request(b).kv_len, out.narrow_splits[b], l.narrow_price)
+                                : 0LL;
   };
   int order[kScheduleMaxBatch], narrow_order[kScheduleMaxBatch];
   for (int b = 0; b < batch; ++b) {

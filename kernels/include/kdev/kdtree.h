@@ -146,7 +146,7 @@ typedef struct CompactParams {
 
 /* ------------------------------------------------------------------------------------------- entry points */
 /* Library facts. */
-int kdtree_abi_version(void);            /* 4 */
+int kdtree_abi_version(void);            /* 5 */
 size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
 int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
 const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
@@ -160,7 +160,9 @@ int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t
  * number of scheduled calls with the same lengths (every layer of a decoding step) read it; make it again whenever
  * prefix_lens or q_indptr change (a schedule for other lengths is not detected). A scheduled call on a workspace the
  * schedule was not made in for these shapes writes nothing. A plain call runs the host plan, from the bounds
- * (max_kv_len, max_qlen) alone. */
+ * (max_kv_len, max_qlen) and the page size. The schedule and the workspace size read only the shapes, page_size, plan_sm_count and
+ * (the schedule) prefix_lens, q_indptr and the workspace: the other pointers may be NULL there, so an engine makes the
+ * schedule before any layer's queries exist. */
 int kdtree_flash_schedule(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
@@ -170,16 +172,16 @@ int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits);
 /* The flash call's plan and launches, asked without a GPU. */
 int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
                              int* full_smem, const char** narrow_kernel, int* narrow_smem);
-int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                      int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits, int* combine_groups,
-                      size_t* workspace_bytes);
-int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count,
-                            int splits, int narrow_splits, double* cost);
+int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                      int sm_count, int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits,
+                      int* combine_groups, size_t* workspace_bytes);
+int kdtree_flash_split_cost(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                            int sm_count, int splits, int narrow_splits, double* cost);
 int kdtree_flash_launch_time(int full_ctas, double full_cta, int narrow_ctas, double narrow_cta,
                              double narrow_cold_cta, int sm_count, double* time);
-int kdtree_flash_schedule_plan(int batch, int num_heads, int sm_count, const int* prefix_lens, const int* qlens,
-                               int* k, int* splits, int* narrow_splits, int* ctas, int* narrow_ctas,
-                               long long* model_tokens, int* at_bounds);
+int kdtree_flash_schedule_plan(int batch, int num_heads, int page_size, int sm_count, const int* prefix_lens,
+                               const int* qlens, int max_qlen, int max_kv_len, int* k, int* splits, int* narrow_splits,
+                               int* ctas, int* narrow_ctas, long long* model_tokens, int* at_bounds);
 
 /* DDTree: tree build, greedy accept, KV compaction. */
 int kdtree_build_ddtree(const DDTreeBuildParams* p, kdtree_stream_t stream);

@@ -21,7 +21,8 @@ struct FlashPlan {
 };
 // The flash call's plan for a launch's shape bounds (VerifyAttnParams' batch, total_q, num_heads, max_qlen, max_kv_len)
 // on a GPU of sm_count SMs: plain host arithmetic, so that kdtree_flash_plan reports it without a GPU.
-FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int sm_count);
+FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
+                                 int sm_count);
 // How many groups of splits the combine kernel gives each row (1, 2 or 4; 0: no combine kernel) for a call of `batch`
 // requests and `rows` rows in all, on a GPU of sms x threads_per_sm threads.
 int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, int threads_per_sm);
