@@ -1,4 +1,5 @@
-"""This GPU's ceilings: the mma.sync peak, the copy bandwidth and the flash loop ladder, measured and cached."""
+"""This GPU's ceilings: the mma.sync peak, the wgmma peak (a library built for sm_90a), the copy bandwidth and the flash
+loop ladder, measured and cached."""
 
 from __future__ import annotations
 
@@ -73,7 +74,41 @@ def measure_ceilings(lib, device) -> dict:
         e.synchronize()
         bw = max(bw, 2 * n * 2 / (s.elapsed_time(e) / 1e3))
     return {"flops": best, "bytes_per_s": bw, "source": f"kdev bench --ceilings ({time.strftime('%Y-%m-%d')})",
-            "inner_loops": measure_inner_loops(lib, device, best)}
+            "wgmma_flops": measure_wgmma_peak(lib, device), "inner_loops": measure_inner_loops(lib, device, best)}
+
+
+WGMMA_FLOPS_PER_CTA_ITER = 2 * 4 * 2 * 64 * 256 * 16  # two warpgroups, four m64n256k16 each (kernels/wgmma.cu)
+
+
+def measure_wgmma_peak(lib, device) -> float | None:
+    """The bf16 wgmma peak from shared memory (kernels/wgmma.cu's rung), FLOP/s; None where the code loaded for this GPU
+    has no wgmma (only a library built for sm_90a has it, on an sm_90 GPU)."""
+    import ctypes
+
+    import torch
+
+    L = lib.lib
+    if not hasattr(L, "kdtree_bench_wgmma_peak"):  # a library from before the rung
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sink = torch.zeros(256, device=device)
+    stream = torch.cuda.current_stream()
+    blocks, iters = sms, 4096
+    best = 0.0
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st = L.kdtree_bench_wgmma_peak(blocks, 1, ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
+        if st == cabi.ERR_UNSUPPORTED:
+            return None
+        s.record()  # timed without the availability check (a host round trip) that every call makes first
+        st = st or L.kdtree_bench_wgmma_peak(blocks, iters, ctypes.c_void_p(sink.data_ptr()),
+                                             ctypes.c_void_p(stream.cuda_stream))
+        e.record()
+        e.synchronize()
+        if st != 0:
+            raise RuntimeError(f"kdtree_bench_wgmma_peak: status {st} ({cabi.status_text(st)})")
+        best = max(best, blocks * iters * WGMMA_FLOPS_PER_CTA_ITER / (s.elapsed_time(e) / 1e3))
+    return best
 
 
 def measure_inner_loops(lib, device, peak_flops: float, only: list[str] | None = None) -> list[dict]:

@@ -104,8 +104,11 @@ def show_outcome(got, o, json_out: bool) -> int:
     if got.ceilings is not None:
         c = got.ceilings
         if got.ceilings_path:
+            wgmma = c.get("wgmma_flops")
             report.info(f"ceilings on {got.gpu['name']}: mma.sync bf16 {c['flops'] / 1e12:.0f} TFLOP/s, "
-                        f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {got.ceilings_path})")
+                        + (f"wgmma bf16 {wgmma / 1e12:.0f} TFLOP/s, " if wgmma else "wgmma not in this library "
+                           "(an sm_90a build has it: kdev build --arch sm_90a), ")
+                        + f"copy {c['bytes_per_s'] / 1e9:.0f} GB/s (cached in {got.ceilings_path})")
         if not json_out and c["inner_loops"]:
             report.show(loop_table(c["inner_loops"]))
         if got.doc is None:

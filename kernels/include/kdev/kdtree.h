@@ -198,6 +198,10 @@ int kdtree_bench_loop_mma_per_tile(int i);
 int kdtree_bench_loop_tile_bytes(int i);
 int kdtree_bench_loop(int i, int blocks, int tiles, const void* src, size_t src_bytes, float* sink,
                       kdtree_stream_t stream);
+/* wgmma (kernels/wgmma.cu): its ceiling rung and a check of its operand layouts. KDTREE_ERR_UNSUPPORTED where the code
+ * loaded for this GPU has no wgmma (a library built for sm_90a has it, on an sm_90 GPU). */
+int kdtree_bench_wgmma_peak(int blocks, int iters, float* sink, kdtree_stream_t stream);
+int kdtree_bench_wgmma_check(const void* q, const void* kv, float* s, float* o, kdtree_stream_t stream);
 
 /* Exported only by a library built with a variant that adds it (never defined here, so never compiled in): the CTA
  * timeline probe of variants/flash-v24-probe-timeline.patch, read by scripts/cta_timeline.py. Copies up to max_records

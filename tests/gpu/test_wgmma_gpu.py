@@ -1,0 +1,56 @@
+"""The wgmma primitives on an sm_90 GPU (kernels/wgmma.cu, kernels/include/kdev/wgmma.cuh), from a library built for
+sm_90a: the operand layouts (Q and K K-major for S = Q K^T, V read MN-major from the same tile, P from the S
+accumulators in registers) against matmuls of the same bf16 inputs, and the ceilings rung. The default library (sm_90)
+says it has no wgmma."""
+
+import ctypes
+
+import pytest
+import torch
+
+from kdev import abi, cabi, config
+from kdev import build as kbuild
+from kdev.bench import ceilings as kceilings
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def lib90a():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 GPUs (H100, H200) only")
+    res = kbuild.build(config.load_build(None, ["sm_90a"]))
+    assert not res.problems, res.problems
+    return abi.Library(res.library)
+
+
+def _check(lib, q, kv):
+    s = torch.full((64, 64), float("nan"), device="cuda")
+    o = torch.full((64, 512), float("nan"), device="cuda")
+    st = lib.lib.kdtree_bench_wgmma_check(ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kv.data_ptr()),
+                                          ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(o.data_ptr()),
+                                          ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    return st, s, o
+
+
+def test_the_operand_layouts_give_the_matmuls_products(lib90a, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(64, 576, device="cuda", generator=g).to(torch.bfloat16)
+    st, s, o = _check(lib90a, q, kv)
+    assert st == cabi.OK, cabi.status_text(st)
+    want_s = q.float() @ kv.float().T  # fp32 sums of exact bf16 products, in another order
+    torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-3)
+    p = s.to(torch.bfloat16).float()  # P as the kernel packs it (round to nearest even)
+    torch.testing.assert_close(o, p @ kv[:, :512].float(), rtol=1e-5, atol=1e-2)
+    # a layout off by a swizzle phase or a box would not pass: the products of a K with its rows or dims permuted differ
+    assert not torch.allclose(s, q.float() @ kv.roll(1, 0).float().T, rtol=1e-2, atol=1.0)
+    assert not torch.allclose(o, p @ kv[:, :512].roll(8, 1).float(), rtol=1e-2, atol=1.0)
+
+
+def test_the_rung_runs_where_there_is_wgmma_and_the_default_library_says_it_has_none(lib90a, lib):
+    assert kceilings.measure_wgmma_peak(lib90a, torch.device("cuda")) > 0
+    assert kceilings.measure_wgmma_peak(lib, torch.device("cuda")) is None  # sm_90 code: no wgmma
+    q = torch.zeros(64, 576, device="cuda", dtype=torch.bfloat16)
+    assert _check(lib, q, q)[0] == cabi.ERR_UNSUPPORTED

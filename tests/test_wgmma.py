@@ -1,0 +1,39 @@
+"""The wgmma primitives compiled without a GPU: an sm_90a build holds the rung's and the layout check's HGMMA
+instructions (the shapes, the register-A form and the transposed B the header asks for); an sm_90 build holds none
+(its kernels answer that they have no wgmma). Whether they compute the right products is tests/gpu/test_wgmma_gpu.py."""
+
+import pytest
+
+from kdev import build as kbuild
+from kdev import config as kconfig
+from kdev import sass
+
+pytestmark = pytest.mark.nvcc
+
+
+@pytest.fixture(scope="module")
+def sm90a_functions(tmp_path_factory):
+    c = kconfig.load_build(None, ["sm_90a"])
+    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("wg") / "build", False, c.smem_limit_bytes,
+                              c.path)
+    res = kbuild.build(cfg)
+    assert not res.problems, res.problems
+    functions = sass.parse(sass.dump(res.library))
+    names = sass.demangle(sorted({f.name for f in functions}))
+    return {names[f.name]: f for f in functions}
+
+
+def _hgmma(fn):
+    return [i.text for i in fn.instrs if i.op.startswith("HGMMA")]
+
+
+def test_an_sm90a_build_holds_the_wgmma_instructions(sm90a_functions):
+    check = next(f for name, f in sm90a_functions.items() if "wgmma_check_kernel" in name)
+    peak = next(f for name, f in sm90a_functions.items() if "wgmma_peak_kernel" in name)
+    ops = _hgmma(check)
+    # S: 36 k16 steps of 64 x 64 from two descriptors; O: 4 k16 steps of 64 x 256, A from registers, B transposed
+    # (the loop over the two column halves is kept: one copy of its four)
+    assert sum("64x64x16.F32.BF16" in t for t in ops) == 36
+    rs = [t for t in ops if "64x256x16.F32.BF16" in t]
+    assert len(rs) == 4 and all(".tnspB" in t and ", R" in t.split("gdesc")[0] for t in rs)
+    assert _hgmma(peak) and all("64x256x16.F32.BF16" in t and "tnsp" not in t for t in _hgmma(peak))
