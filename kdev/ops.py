@@ -64,7 +64,7 @@ def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tenso
     out = torch.empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(n_q, heads, dtype=torch.float32, device=q.device)
     if workspace is not None:  # verify_schedule's: the schedule for these lengths is in it
-        if kernel not in abi.FLASH_KERNELS:
+        if kernel not in abi.SPLIT_KV_KERNELS:
             raise abi.AbiArgumentError(f"workspace: kernel {kernel!r} takes none")
         p = lib.params(x, out, lse, workspace)
         made = getattr(workspace, "_kdev_schedule", None)
@@ -75,7 +75,7 @@ def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tenso
         lib.call(kernel, p, schedule=False)
         return out, lse
     p = lib.params(x, out, lse)
-    if kernel in abi.FLASH_KERNELS:
+    if kernel in abi.SPLIT_KV_KERNELS:
         need = lib.workspace_size(p)
         if need:
             workspace = torch.empty(need, dtype=torch.uint8, device=q.device)

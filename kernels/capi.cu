@@ -214,13 +214,14 @@ static int check_workspace(const VerifyAttnParams* p, size_t need) {
 // The flash call; `portable`: only the kernels whose blocks fit 101,376 B of shared memory, the ones an sm_120 GPU
 // runs, whatever this GPU allows (on an sm_90 GPU the tensor-copy path would otherwise take the teams kernels);
 // `scheduled`: the kernels take their work from the schedule kdtree_flash_schedule wrote into the workspace.
-static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream) {
+static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream,
+                             bool wgmma = false) {
   if (int st = validate(p)) return st;
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
   const kdtree::FlashPlan plan = flash_plan(p, sm_count);
   if (int st = check_workspace(p, scheduled ? plan.workspace_bytes : plan.plain_workspace_bytes)) return st;
-  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, portable, scheduled, stream);
+  cudaError_t err = kdtree::launch_verify_attn_flash(*p, plan, portable, scheduled, wgmma, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_flash launch");
   return KDTREE_OK;
 }
@@ -235,6 +236,25 @@ int kdtree_verify_attn_flash(const VerifyAttnParams* p, cudaStream_t stream) {
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
   return verify_attn_flash(p, true, false, stream);
+}
+
+// The flash call with its full row tiles in the wgmma kernel (flash/wgmma.cuh) where tensor copies bring the tiles:
+// the same contract, plan, workspace and other kernels. Only the code of a library built for sm_90a has that kernel,
+// and only an sm_90 GPU runs it: elsewhere KDTREE_ERR_UNSUPPORTED. Whether the loaded code has it is asked of the GPU
+// once (a synchronous read): the first call on a GPU must not be one a graph captures.
+int kdtree_verify_attn_flash_wgmma(const VerifyAttnParams* p, cudaStream_t stream) {
+  g_last_error[0] = '\0';
+  if (int st = validate(p)) return st;
+  bool built = false;
+  const cudaError_t err = kdtree::flash_wgmma_built(stream, &built);
+  if (err == cudaErrorStreamCaptureUnsupported)
+    return fail(KDTREE_ERR_UNSUPPORTED, "flash-wgmma: make the first call on this GPU outside a graph capture (it asks "
+                "the GPU whether the loaded code has the wgmma kernel)");
+  if (err != cudaSuccess) return cuda_fail(err, "flash_wgmma_built");
+  if (!built)
+    return fail(KDTREE_ERR_UNSUPPORTED, "flash-wgmma: the code loaded for this GPU has no wgmma kernel (a library "
+                "built for sm_90a has it, on an sm_90 GPU: kdev build --arch sm_90a)");
+  return verify_attn_flash(p, false, false, stream, true);
 }
 
 // The schedule for the lengths in p's device arrays (flash_plan.cuh, schedule.cuh), into p's workspace; the scheduled

@@ -78,6 +78,7 @@
 #include "flash/narrow.cuh"
 #include "flash/lockstep.cuh"
 #include "flash/teams.cuh"
+#include "flash/wgmma.cuh"
 #include "flash/combine.cuh"
 
 namespace kdtree {
@@ -164,8 +165,36 @@ FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool por
           kSmemBytes};
 }
 
+// 1 in the code of an sm_90a build, 0 in every other (flash_wgmma_built reads it from the loaded module).
+__device__ int g_flash_wgmma_built = KDTREE_HAS_WGMMA;
+
+cudaError_t flash_wgmma_built(cudaStream_t stream, bool* built) {
+  static int known[64] = {};  // per device: 0 not asked yet, 1 no, 2 yes
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 64) return cudaErrorInvalidDevice;
+  if (known[dev] == 0) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    err = cudaStreamIsCapturing(stream, &capture);
+    if (err != cudaSuccess) return err;
+    if (capture != cudaStreamCaptureStatusNone) return cudaErrorStreamCaptureUnsupported;
+    int value = 0;
+    err = cudaMemcpyFromSymbol(&value, g_flash_wgmma_built, sizeof value);
+    if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidSymbol) {
+      cudaGetLastError();
+      value = 0;  // no code for this GPU at all
+    } else if (err != cudaSuccess) {
+      return err;
+    }
+    known[dev] = value ? 2 : 1;
+  }
+  *built = known[dev] == 2;
+  return cudaSuccess;
+}
+
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
-                                     cudaStream_t stream) {
+                                     bool wgmma, cudaStream_t stream) {
   int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -178,12 +207,15 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
   const FlashKernels choice = flash_kernels(major, smem_optin, tensor_copy, portable);
   const bool teams = choice.teams;
-  const auto kernel = teams ? verify_attn_flash_teams_kernel
-                            : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.full_smem);
+  const bool full_wgmma = wgmma && tensor_copy && !portable;  // smaller pages: the cp.async kernels, as flash runs them
+  const auto kernel = full_wgmma ? verify_attn_flash_wgmma_kernel
+                      : teams    ? verify_attn_flash_teams_kernel
+                                 : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
+  const int full_smem = full_wgmma ? kWgmmaSmemBytes : choice.full_smem;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, full_smem);
   if (err != cudaSuccess) return err;
   const FlashLaunch& l = scheduled ? plan.scheduled : plan.launch;
-  kernel<<<dim3((unsigned)l.units), kThreads, choice.full_smem, stream>>>(p, l, kv_map);
+  kernel<<<dim3((unsigned)l.units), full_wgmma ? kWgThreads : kThreads, full_smem, stream>>>(p, l, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (l.narrow_splits > 0) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave

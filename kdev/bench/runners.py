@@ -83,9 +83,9 @@ class AbiRunner(Runner):
         self.out, self.lse = lib.alloc_outputs(x)
         self.p = lib.params(x, self.out, self.lse)
         self.ws = lib.alloc_workspace(kernel, self.p, x.q.device)
-        from kdev.abi import FLASH_KERNELS
+        from kdev.abi import SPLIT_KV_KERNELS
 
-        self.splits = lib.flash_splits(self.p) if kernel in FLASH_KERNELS else None
+        self.splits = lib.flash_splits(self.p) if kernel in SPLIT_KV_KERNELS else None
 
     def run(self) -> None:
         self.lib.call(self.kernel, self.p)

@@ -14,7 +14,8 @@ from kdev.errors import BadInput
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets", "capture")
 STRING_AXES = ("tree", "requests", "budgets", "capture")
 ATTENTION_BACKENDS = ("flash", "flash-portable", "flash-scheduled", "flash-portable-scheduled", "flash-scheduled-layer",
-                      "flash-portable-scheduled-layer", "naive", "triton", "torch-eager", "torch-sdpa", "torch-flex")
+                      "flash-portable-scheduled-layer", "flash-wgmma", "naive", "triton", "torch-eager", "torch-sdpa",
+                      "torch-flex")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 # a backend's lse (fp32, natural log) against the naive oracle's, where the backend returns one
 PEER_LSE_TOLERANCE = Tolerance(atol=2e-3, rtol=2e-4, cos_diff=1e-8)

@@ -98,7 +98,8 @@ def verify_cmd(
     kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
                                     "flash call run by the kernels that fit sm_120's shared memory), flash-scheduled and "
-                                    "flash-portable-scheduled (the same on the device schedule); ddtree, accept, compact; "
+                                    "flash-portable-scheduled (the same on the device schedule), flash-wgmma (the full "
+                                    "tiles by wgmma: a library built for sm_90a, --library); ddtree, accept, compact; "
                                     "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
                                     "revision, a .patch of kernels/), compared with the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
@@ -168,7 +169,8 @@ def bench_cmd(
     backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
                                           "flash, flash-portable, flash-scheduled, flash-portable-scheduled (the device "
                                           "schedule, made in each timed call; -layer: made once, as every layer of a "
-                                          "step reads it), naive, triton, torch-eager, torch-sdpa, "
+                                          "step reads it), flash-wgmma (sm_90a builds), naive, triton, torch-eager, "
+                                          "torch-sdpa, "
                                           "torch-flex, and for the "
                                           "tree-kernels sweep ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "

@@ -54,3 +54,26 @@ def test_the_rung_runs_where_there_is_wgmma_and_the_default_library_says_it_has_
     assert kceilings.measure_wgmma_peak(lib, torch.device("cuda")) is None  # sm_90 code: no wgmma
     q = torch.zeros(64, 576, device="cuda", dtype=torch.bfloat16)
     assert _check(lib, q, q)[0] == cabi.ERR_UNSUPPORTED
+
+
+def test_flash_wgmma_passes_the_smoke_suite_and_a_fuzz_run(lib90a):
+    """The flash call with its full tiles by wgmma (kdtree_verify_attn_flash_wgmma), checked as every verify kernel is:
+    against the float64 goldens and fresh random cases, NaN-poisoned outputs, the same bits on a repeat."""
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    for args in (["--suite", "smoke", "--repeat", "2"], ["--fuzz", "100"]):
+        r = CliRunner().invoke(app, ["verify", *args, "--kernel", "naive,flash,flash-wgmma", "--library",
+                                     str(lib90a.path)])
+        assert r.exit_code == 0, r.output
+
+
+def test_flash_wgmma_in_a_library_without_it_says_unsupported(lib):
+    from kdev import cases
+
+    case = cases.generate_case(config.load_suite("smoke").cases[3])
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    with pytest.raises(abi.KernelError) as e:
+        lib.run("flash-wgmma", x)
+    assert e.value.status == cabi.ERR_UNSUPPORTED and "sm_90a" in e.value.message

@@ -156,6 +156,9 @@ const char* kdtree_build_info(void);     /* provenance JSON: git sha and dirty f
 int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);           /* the naive oracle */
 int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);     /* tensor cores, split-KV */
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t stream); /* sm_120's kernels */
+/* The flash call with its full row tiles by wgmma (a library built for sm_90a, on an sm_90 GPU; else
+ * KDTREE_ERR_UNSUPPORTED). Not yet verified on a GPU: off every default. Its first call on a GPU must not be captured. */
+int kdtree_verify_attn_flash_wgmma(const VerifyAttnParams* p, kdtree_stream_t stream);
 /* The device schedule (ABI 4): split counts from each request's own lengths, made on the GPU into the workspace; then any
  * number of scheduled calls with the same lengths (every layer of a decoding step) read it; make it again whenever
  * prefix_lens or q_indptr change (a schedule for other lengths is not detected). A scheduled call on a workspace the

@@ -39,9 +39,14 @@ struct FlashKernels {
 };
 FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable);
 // portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU; scheduled: the
-// kernels read their work from the schedule that launch_flash_schedule wrote into the workspace before.
+// kernels read their work from the schedule that launch_flash_schedule wrote into the workspace before; wgmma: the
+// full tiles in the wgmma kernel where tensor copies bring them (flash_wgmma_built must have said it is there).
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
-                                     cudaStream_t stream);
+                                     bool wgmma, cudaStream_t stream);
+// Whether the code loaded for the current GPU holds the wgmma kernel (a library built for sm_90a, on an sm_90 GPU):
+// asked of the device once per GPU, by a synchronous copy, so not while `stream` is being captured
+// (cudaErrorStreamCaptureUnsupported until a call outside a capture has asked).
+cudaError_t flash_wgmma_built(cudaStream_t stream, bool* built);
 cudaError_t launch_flash_schedule(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream);
 }  // namespace kdtree
 #endif
