@@ -106,7 +106,6 @@ class LatentAttention:
         return out.to(q_rows.dtype)
 
 
-
 class AbsorbedMLA(torch.nn.Module):
     """Stands in for one layer's DeepseekV3Attention: the same weights, the absorbed form, kdev's attention."""
 
