@@ -176,7 +176,8 @@ def bench_cmd(
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
                                           "a copy of kernels/, a git revision or a .patch of kernels/)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
-    ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings; cache them."),
+    ceilings: bool = typer.Option(False, "--ceilings", help="Measure this GPU's mma.sync and copy ceilings (and "
+                                  "wgmma's, with a library built for sm_90a); cache them."),
     loop: Optional[list[str]] = typer.Option(
         None, "--loop", help="With --ceilings: time only this rung of the flash loop ladder (repeatable), leave "
         "the cache alone (for a profiler run on one rung)."),
