@@ -307,9 +307,10 @@ int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int por
 }
 
 // The flash call's plan for a launch's shape bounds and page size (batch, total_q, num_heads, max_qlen, max_kv_len,
-// page_size: as in VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the portable call would
-// launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones (0: no narrow
-// kernel), the combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU: `kdev plan`.
+// page_size: as in VerifyAttnParams) on a GPU of sm_count SMs of threads_per_sm threads each, as the flash and the
+// portable call would launch it there: row tiles per request, KV splits of the full row tiles and of the narrow ones
+// (0: no narrow kernel), the combine kernel's groups per row (0: no combine) and the workspace it needs. Needs no GPU:
+// `kdev plan`.
 int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
                       int sm_count, int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits,
                       int* combine_groups, size_t* workspace_bytes) {

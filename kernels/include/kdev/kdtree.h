@@ -163,9 +163,9 @@ int kdtree_verify_attn_flash_wgmma(const VerifyAttnParams* p, kdtree_stream_t st
  * number of scheduled calls with the same lengths (every layer of a decoding step) read it; make it again whenever
  * prefix_lens or q_indptr change (a schedule for other lengths is not detected). A scheduled call on a workspace the
  * schedule was not made in for these shapes writes nothing. A plain call runs the host plan, from the bounds
- * (max_kv_len, max_qlen) and the page size. The schedule and the workspace size read only the shapes, page_size, plan_sm_count and
- * (the schedule) prefix_lens, q_indptr and the workspace: the other pointers may be NULL there, so an engine makes the
- * schedule before any layer's queries exist. */
+ * (max_kv_len, max_qlen) and the page size. The schedule and the workspace size read only the shapes, page_size,
+ * plan_sm_count and (the schedule) prefix_lens, q_indptr and the workspace: the other pointers may be NULL there, so an
+ * engine makes the schedule before any layer's queries exist. */
 int kdtree_flash_schedule(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, kdtree_stream_t stream);
