@@ -37,3 +37,14 @@ def test_an_sm90a_build_holds_the_wgmma_instructions(sm90a_functions):
     rs = [t for t in ops if "64x256x16.F32.BF16" in t]
     assert len(rs) == 4 and all(".tnspB" in t and ", R" in t.split("gdesc")[0] for t in rs)
     assert _hgmma(peak) and all("64x256x16.F32.BF16" in t and "tnsp" not in t for t in _hgmma(peak))
+
+
+def test_the_wgmma_verify_kernel_issues_its_tiles_products_by_hgmma(sm90a_functions):
+    """flash-wgmma's full-tile kernel (kernels/flash/wgmma.cuh): per 64-token tile, each warpgroup's S as 36 HGMMA
+    64x32x16 from two descriptors and its half of O as 4 HGMMA 64x256x16 with V transposed (MN-major), no mma.sync."""
+    kernel = next(f for name, f in sm90a_functions.items() if "verify_attn_flash_wgmma_kernel" in name)
+    ops = _hgmma(kernel)
+    assert sum("64x32x16.F32.BF16" in t for t in ops) == 36
+    pv = [t for t in ops if "64x256x16.F32.BF16" in t]
+    assert len(pv) == 4 and all(".tnspB" in t and "gdesc" in t.split(",")[1] for t in pv)
+    assert not any(i.op == "HMMA" for i in kernel.instrs)
