@@ -280,10 +280,12 @@ class ShapePlan:
     schedule: dict | None = None  # the device schedule (the scheduled calls') of a skewed batch or a capture's replay
 
 
-def split_tiles(kv_len: int, splits: int) -> list[int]:
-    """KV tiles of each split of a range of kv_len tokens: the kernels' split_chunk cut."""
+def split_tiles(kv_len: int, splits: int, filled: int | None = None) -> list[int]:
+    """KV tiles of each split of a range of kv_len tokens (the kernels' split_chunk cut), of which the first `filled`
+    hold KV (all by default; fewer where a call is planned for a capture's bounds but the request is shorter)."""
+    filled = kv_len if filled is None else filled
     chunk = math.ceil(math.ceil(kv_len / splits) / BLOCK_N) * BLOCK_N
-    return [math.ceil(max(0, min(chunk, kv_len - s * chunk)) / BLOCK_N) for s in range(splits)]
+    return [math.ceil(max(0, min(chunk, filled - s * chunk)) / BLOCK_N) for s in range(splits)]
 
 
 NEAR_TIE = 1e-3  # the planner takes the fewest splits (full, then narrow) within this of the least cost
@@ -335,8 +337,7 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
     # the CTAs' work: the splits cut the bound's range, of which a request fills the first ones (its own range), and a
     # request's row tiles past its rows have none (at a capture's bounds, its tail is a full-tile CTA's)
     own_kv, rows = L + T, T * H
-    chunk = math.ceil(math.ceil(kv_len / p["splits"]) / BLOCK_N) * BLOCK_N  # split_chunk
-    own = [math.ceil(max(0, min(chunk, own_kv - s * chunk)) / BLOCK_N) for s in range(p["splits"])]
+    own = split_tiles(kv_len, p["splits"], own_kv)
     busy_tiles = min(-(-rows // BLOCK_M), full_tiles) if shape.bounds else full_tiles
     slot_use = B * busy_tiles * sum(own) / (waves * slots * max(own)) if full_ctas else 0.0
     sizes = [n + 1 for n in shape.budget_list]

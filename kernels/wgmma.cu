@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kPeakThreads, 1) wgmma_peak_kernel(int iters, 
   wg::fence();
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) wg::mma_64x256_ss(d, wg::k_major(a, 64, k), wg::k_major(b, 256, k), 1);
+    for (int k = 0; k < 4; ++k) wg::mma_64x256_ss<0>(d, wg::k_major(a, 64, k), wg::k_major(b, 256, k), 1);
     wg::commit();
     wg::wait<1>();
   }

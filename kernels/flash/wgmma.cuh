@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       if (t >= 2 && !second) break;
-      wg::mma_64x256_ss_mn(o, wg::k_major(p_smem, kBlockM, t),
+      wg::mma_64x256_ss<1>(o, wg::k_major(p_smem, kBlockM, t),
                            wg::mn_major(kv_smem + (2 * s + t / 2) * kBufBytes, kBlockN, 4 * c, t % 2), 1);
     }
     wg::commit();
