@@ -1,7 +1,8 @@
 """The library's entry points as torch custom ops, the way serving engines call custom kernels.
 
     torch.ops.kdev.verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel,
-                               max_qlen, max_kv_len, workspace=None) -> (out, lse)
+                               max_qlen, max_kv_len) -> (out, lse)
+    torch.ops.kdev.verify_attn_with_workspace(..., max_kv_len, workspace) -> (out, lse)   (workspace written)
     torch.ops.kdev.verify_schedule(prefix_lens, q_indptr, num_heads, page_size, kernel, max_qlen, max_kv_len)
         -> workspace
     torch.ops.kdev.build_ddtree(log_probs, token_ids, root_tokens, prefix_lens, budget)
@@ -17,10 +18,10 @@ no break around it. Arguments are checked as the CLI checks them (abi.check_inpu
 
 `kernel` picks the verify kernel: "flash" (default), "flash-portable", "naive", or a scheduled one ("flash-scheduled",
 "flash-portable-scheduled"). `max_qlen` / `max_kv_len` are the host bounds the flash plan needs; 0 computes them from
-the tensors (a device-to-host read: pass them under graph capture). A scheduled kernel makes its device schedule in
-each call, unless `workspace` is one that verify_schedule made for these lengths: an engine makes the schedule once per
-decoding step and every layer's call reads it (the calls write their partials into the same workspace, one after the
-other on the stream). Importing this module registers the ops.
+the tensors (a device-to-host read: pass them under graph capture). In verify_attn a scheduled kernel makes its
+device schedule in each call; verify_attn_with_workspace takes a workspace that verify_schedule made for these lengths
+instead: an engine makes the schedule once per decoding step and every layer's call reads it (the calls write their
+partials into the same workspace, one after the other on the stream). Importing this module registers the ops.
 """
 
 from __future__ import annotations
@@ -44,11 +45,8 @@ def _tree_kernels() -> abi.TreeKernels:
 
 
 # ------------------------------------------------------------------------------------------------ verify
-@torch.library.custom_op("kdev::verify_attn", mutates_args=("workspace",))
-def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
-                q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = "flash",
-                max_qlen: int = 0, max_kv_len: int = 0,
-                workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen, max_kv_len,
+                 workspace):
     x = abi.VerifyInputs(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale,
                          max_qlen or None, max_kv_len or None)
     n_q, heads, _ = q.shape
@@ -84,12 +82,48 @@ def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tenso
     return out, lse
 
 
-@verify_attn.register_fake
-def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0,
-      workspace=None):
+def _outputs_like(q):
     n_q, heads, _ = q.shape
     return (q.new_empty(n_q, heads, cabi.LATENT_DIM, dtype=torch.bfloat16),
             q.new_empty(n_q, heads, dtype=torch.float32))
+
+
+# Two ops, not one with an optional workspace: a mutated argument must not have a default, since torch releases that
+# strip trailing default arguments from a call (None among them) then index the mutated one past the call's end.
+@torch.library.custom_op("kdev::verify_attn", mutates_args=())
+def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
+                q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = "flash",
+                max_qlen: int = 0, max_kv_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen,
+                        max_kv_len, None)
+
+
+@verify_attn.register_fake
+def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0):
+    return _outputs_like(q)
+
+
+@torch.library.custom_op("kdev::verify_attn_with_workspace", mutates_args=("workspace",))
+def verify_attn_with_workspace(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+                               prefix_lens: torch.Tensor, q_indptr: torch.Tensor, tree_mask: torch.Tensor,
+                               scale: float, kernel: str, max_qlen: int, max_kv_len: int,
+                               workspace: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen,
+                        max_kv_len, workspace)
+
+
+@verify_attn_with_workspace.register_fake
+def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen, max_kv_len, workspace):
+    return _outputs_like(q)
+
+
+def attend(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen, max_kv_len,
+           workspace=None):
+    """verify_attn, or verify_attn_with_workspace where there is a workspace (StepSchedule.workspace's answer)."""
+    args = (q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen, max_kv_len)
+    if workspace is None:
+        return torch.ops.kdev.verify_attn(*args)
+    return torch.ops.kdev.verify_attn_with_workspace(*args, workspace)
 
 
 def _schedule_key(p) -> tuple:

@@ -97,9 +97,8 @@ class LatentAttention:
                 self.schedule = kdev.ops.StepSchedule(self.backend)
             ws = self.schedule.workspace(layer, step.prefix_lens, step.q_indptr, q_rows.shape[1], cache.page_size,
                                          step.max_qlen, step.max_kv_len)
-            out, _ = torch.ops.kdev.verify_attn(q_rows.to(torch.bfloat16), pool, cache.page_table, step.prefix_lens,
-                                                step.q_indptr, mask, scale, self.backend, step.max_qlen,
-                                                step.max_kv_len, ws)
+            out, _ = kdev.ops.attend(q_rows.to(torch.bfloat16), pool, cache.page_table, step.prefix_lens,
+                                     step.q_indptr, mask, scale, self.backend, step.max_qlen, step.max_kv_len, ws)
         if self.timed:
             self.sync()
             self.seconds += time.perf_counter() - t0

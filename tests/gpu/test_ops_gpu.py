@@ -58,8 +58,9 @@ def test_one_step_schedule_read_by_several_layers_eagerly_and_in_a_replayed_grap
         outs = []
         for i, q in enumerate(layers):
             ws = step.workspace(i, prefix_lens, x.q_indptr, q.shape[1], x.kv_cache.shape[1], **bounds)
-            outs.append(torch.ops.kdev.verify_attn(q, x.kv_cache, x.page_table, prefix_lens, x.q_indptr, x.tree_mask,
-                                                   x.scale, kernel, bounds["max_qlen"], bounds["max_kv_len"], ws))
+            outs.append(torch.ops.kdev.verify_attn_with_workspace(q, x.kv_cache, x.page_table, prefix_lens,
+                                                                  x.q_indptr, x.tree_mask, x.scale, kernel,
+                                                                  bounds["max_qlen"], bounds["max_kv_len"], ws))
         return outs
 
     def alone(prefix_lens):
@@ -77,8 +78,9 @@ def test_one_step_schedule_read_by_several_layers_eagerly_and_in_a_replayed_grap
     with pytest.raises(abi.AbiArgumentError, match="its schedule was made for"):
         ws = torch.ops.kdev.verify_schedule(prefix, x.q_indptr, layers[0].shape[1], x.kv_cache.shape[1], kernel,
                                             bounds["max_qlen"], bounds["max_kv_len"] + 1)
-        torch.ops.kdev.verify_attn(layers[0], x.kv_cache, x.page_table, prefix, x.q_indptr, x.tree_mask, x.scale,
-                                   kernel, bounds["max_qlen"], bounds["max_kv_len"], ws)
+        torch.ops.kdev.verify_attn_with_workspace(layers[0], x.kv_cache, x.page_table, prefix, x.q_indptr,
+                                                  x.tree_mask, x.scale, kernel, bounds["max_qlen"],
+                                                  bounds["max_kv_len"], ws)
     graph, step = torch.cuda.CUDAGraph(), ops.StepSchedule(kernel)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

@@ -211,11 +211,10 @@ class KdevVerifyBackend:
         q = q.reshape(-1, heads, cabi.QK_DIM)
         kv_cache = pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, cabi.QK_DIM)
         b = self.batch
-        out, _ = torch.ops.kdev.verify_attn(q.to(torch.bfloat16), kv_cache, b.page_table, b.prefix_lens, b.q_indptr,
-                                            b.tree_mask, float(layer.scaling), self.kernel, b.max_qlen, b.max_kv_len,
-                                            self.step_schedule.workspace(layer.layer_id, b.prefix_lens, b.q_indptr,
-                                                                         heads, self.page_size, b.max_qlen,
-                                                                         b.max_kv_len))
+        ws = self.step_schedule.workspace(layer.layer_id, b.prefix_lens, b.q_indptr, heads, self.page_size,
+                                          b.max_qlen, b.max_kv_len)
+        out, _ = kdev.ops.attend(q.to(torch.bfloat16), kv_cache, b.page_table, b.prefix_lens, b.q_indptr, b.tree_mask,
+                                 float(layer.scaling), self.kernel, b.max_qlen, b.max_kv_len, ws)
         return out.to(q.dtype).reshape(-1, heads * cabi.LATENT_DIM)
 
 
