@@ -44,7 +44,8 @@ PLAN_ABI = 5  # kdtree_abi_version from which the plan functions take the page s
 
 # ------------------------------------------------------------------------------------------------ GPU
 def gpu_here() -> GpuSpec | None:
-    """The GPU torch uses now, from its device properties (ceilings as kdev bench finds them), or None."""
+    """The GPU torch uses now, from its device properties (ceilings as kdev bench finds them), or None. Its rates and the
+    clock its ceilings hold at (what kdev plan --project needs) are those configs/gpus.yaml gives a GPU of its name."""
     import torch
 
     if not torch.cuda.is_available():
@@ -69,7 +70,9 @@ def gpu_here() -> GpuSpec | None:
                    threads_per_sm=prop("max_threads_per_multi_processor", "threads_per_sm"),
                    registers_per_sm=prop("regs_per_multiprocessor", "registers_per_sm"), flops=ceil.get("flops"),
                    bytes_per_s=ceil.get("bytes_per_s"), ceilings_measured=bool(ceil),
-                   ceilings_source=ceil.get("source", "kdev bench --ceilings") if ceil else "")
+                   ceilings_source=ceil.get("source", "kdev bench --ceilings") if ceil else "",
+                   ceilings_clock_mhz=known.ceilings_clock_mhz if known else None,
+                   rates=known.rates if known else None)
 
 
 def resolve_gpu(name: str | None, sms: int | None = None, gpus_path: Path | None = None,

@@ -145,8 +145,10 @@ def test_the_gpu_here_from_its_device_properties(monkeypatch):
     here = kplan.resolve_gpu(None)
     h200 = kplan.resolve_gpu("h200")
     for f in ("name", "arch", "sms", "smem_per_block_optin", "smem_per_sm", "threads_per_sm", "registers_per_sm",
-              "flops", "bytes_per_s"):
+              "flops", "bytes_per_s", "ceilings_clock_mhz", "rates"):
         assert getattr(here, f) == getattr(h200, f), f
+    # what kdev plan --project prices with, on the GPU here (a field report's calibration runs there)
+    assert here.rates and here.ceilings_clock_mhz
     # a torch that does not report a figure: the table's, for a GPU it names; otherwise one line asking for --gpu
     del props.regs_per_multiprocessor
     assert kplan.resolve_gpu(None).registers_per_sm == 65536
