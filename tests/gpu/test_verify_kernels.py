@@ -232,6 +232,9 @@ def test_bad_arguments_return_status_and_launch_nothing(lib):
                                   ("struct_size", 8, "struct_size"), ("scale", float("nan"), "scale")]:
         for kernel in KERNELS:
             p = lib.params(x, out, lse)
+            # the workspace a good call has (a scheduled call always needs one: its schedule), so the refusal is the
+            # bad field's, not a missing workspace's
+            ws = lib.alloc_workspace(kernel, p, "cuda")  # noqa: F841  (kept alive for the call)
             setattr(p, field, value)
             with pytest.raises(abi.KernelError, match=message) as e:
                 lib.call(kernel, p)
