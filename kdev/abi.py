@@ -316,9 +316,10 @@ def kernel_ref(name: str) -> tuple[str, str] | None:
 
 def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = None, log=None) -> dict:
     """{name: (Library, kernel)} for the KERNEL@REF names, each library loaded once (a kernels/ tree or a
-    revision built first, for `arch`: this GPU's unless named). A library without the kernel's entry point (built
-    before it existed) is bad input, refused before anything runs; one that fails the resource gate is run with a
-    warning, as the variants of a GPU round are."""
+    revision built first, for `arch`: this GPU's unless named, its arch-specific form for a wgmma kernel, whose code
+    only an sm_90a build holds). A library without the kernel's entry point (built before it existed) is bad input,
+    refused before anything runs; one that fails the resource gate is run with a warning, as the variants of a GPU
+    round are."""
     libraries, others = {}, {}
     for name in names:
         parsed = kernel_ref(name)
@@ -328,11 +329,14 @@ def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = Non
         if refs.describe_library_ref(ref) == "library":
             path = kbuild.library_file(Path(ref))
         else:
-            if arch is None:
+            build_arch = arch
+            if build_arch is None:
                 from kdev import gpu
 
-                arch = gpu.current_arch()
-            res = refs.library_for(ref, [arch], log)
+                build_arch = gpu.current_arch()
+                if kernel in WGMMA_KERNELS and build_arch == "sm_90":
+                    build_arch = "sm_90a"
+            res = refs.library_for(ref, [build_arch], log)
             if res.problems and log:
                 log(f"{name}: its build fails the resource gate ({res.problems[0]}); run anyway")
             path = res.library

@@ -2,6 +2,7 @@
 plots and CSV from a stored result."""
 
 import json
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -363,6 +364,23 @@ def test_kernel_refs_load_each_library_once_and_refuse_a_missing_entry_point(sm9
     monkeypatch.setitem(abi.VERIFY_KERNELS, "flash-next", "kdtree_verify_attn_flash_next")
     with pytest.raises(BadInput, match="has no flash-next entry point"):
         abi.load_kernel_refs([f"flash-next@{sm90_library}"])
+
+
+def test_a_wgmma_kernel_of_another_tree_is_built_for_sm90a(monkeypatch, sm90_library):
+    """flash-wgmma@REF on an sm_90 GPU: REF built with the arch-specific code that holds the wgmma kernel (an sm_90
+    build would only say unsupported); the other kernels of the same run keep the GPU's own arch."""
+    from kdev import gpu
+
+    asked = []
+
+    def fake_library_for(ref, archs, log=None):
+        asked.append((ref, tuple(archs)))
+        return types.SimpleNamespace(library=sm90_library, problems=[])
+
+    monkeypatch.setattr(refs, "library_for", fake_library_for)
+    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_90")
+    abi.load_kernel_refs(["flash-wgmma@variants/flash-v33-combine-rows.patch", "flash@HEAD"])
+    assert asked == [("variants/flash-v33-combine-rows.patch", ("sm_90a",)), ("HEAD", ("sm_90",))]
 
 
 def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(write_yaml):
