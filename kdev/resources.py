@@ -1,5 +1,6 @@
 """What a build's machine code takes, and the gate on it: the `-Xptxas -v` report as a row per kernel and arch (a
-spill, or static shared memory above the arch's limit, fails the build unless build.yaml allows it); what the flash
+spill, or static shared memory above the arch's limit, fails the build unless build.yaml allows it; so does a kernel
+whose wgmma ptxas serialized: each one waited for before the next issues, the tensor pipe idle between); what the flash
 calls launch on each arch and the dynamic shared memory per block that takes (asked of the library: the launcher's own
 rule), gated on the same limits; and the archs cuobjdump finds in the library (an arch without SASS fails too).
 """
@@ -28,22 +29,31 @@ class KernelResources:
     spill_loads: int = 0
     stack_frame: int = 0
     smem: int = 0
+    wgmma_serialized: str = ""  # why ptxas serialized the kernel's wgmma (its C7520 note), or ""
 
 
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _RE_USED = re.compile(r"Used (\d+) registers")
 _RE_SMEM = re.compile(r"(\d+) bytes smem")
+# printed before the function's entry line, naming it: e.g. "due to program dependence on compiler-inserted WG.AR in
+# divergent path" (a branch between a wgmma fence and its commit)
+_RE_WGMMA_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized due to (.+?) in the function '([^']+)'")
 
 
 def parse_ptxas(text: str) -> list[KernelResources]:
     """Entries of `-Xptxas -v` output, one per (kernel, arch), in the order ptxas printed them."""
     rows: list[KernelResources] = []
     cur = None
+    serialized = {}  # kernel -> reason, for its next entry line
     for line in text.splitlines():
+        m = _RE_WGMMA_SERIAL.search(line)
+        if m:
+            serialized[m.group(2)] = m.group(1)
+            continue
         m = _RE_ENTRY.search(line)
         if m:
-            cur = KernelResources(kernel=m.group(1), arch=m.group(2))
+            cur = KernelResources(kernel=m.group(1), arch=m.group(2), wgmma_serialized=serialized.pop(m.group(1), ""))
             rows.append(cur)
             continue
         if cur is None:
@@ -89,6 +99,8 @@ def resource_problems(rows: list[KernelResources], cfg: BuildConfig) -> list[str
         limit = cfg.smem_limit_bytes.get(r.arch.rstrip("a"))
         if limit is not None and r.smem > limit:
             problems.append(f"{r.kernel} [{r.arch}]: {r.smem} B static shared memory > {limit} B limit")
+        if r.wgmma_serialized:
+            problems.append(f"{r.kernel} [{r.arch}]: ptxas serialized its wgmma ({r.wgmma_serialized})")
     return problems
 
 

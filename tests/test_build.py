@@ -237,6 +237,21 @@ def test_ptxas_report_and_gate():
     assert len(resources.resource_problems(rows, lenient)) == 1
 
 
+def test_a_kernel_whose_wgmma_ptxas_serialized_fails_the_gate():
+    """ptxas names the kernel in a note printed before its entry line; the note goes with that kernel's row only."""
+    text = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "program dependence on compiler-inserted WG.AR in divergent path in the function '_Z3wgv'\n" + PTXAS
+            + PTXAS.replace("_Z3fooPf", "_Z3wgv").replace("'sm_90'", "'sm_90a'").replace("8 bytes spill stores, 12",
+                                                                                       "0 bytes spill stores, 0"))
+    rows = resources.parse_ptxas(text)
+    assert [(r.kernel, r.arch, bool(r.wgmma_serialized)) for r in rows] == [
+        ("_Z3fooPf", "sm_90", False), ("_Z3barv", "sm_120", False), ("_Z3wgv", "sm_90a", True), ("_Z3barv", "sm_120", False)]
+    lenient = config.BuildConfig(("sm_90a",), (), Path("build"), True, {"sm_90": 232448, "sm_120": 101376}, None)
+    (problem,) = resources.resource_problems(rows, lenient)
+    assert problem == ("_Z3wgv [sm_90a]: ptxas serialized its wgmma (program dependence on compiler-inserted WG.AR in "
+                       "divergent path)")
+
+
 def test_gencode_embeds_ptx_for_newest_only():
     assert kbuild.gencode_flags(("sm_90", "sm_120")) == [
         "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_120,code=[sm_120,compute_120]"]
