@@ -15,6 +15,10 @@ Per loop (a backward branch and the instructions it jumps over) that issues HMMA
 These are the figures that explained flash v9 without a GPU (kernels/NOTES.md, "where v9 waits"): the
 source kept four S chains, the SASS two.
 
+Per loop that issues warpgroup MMA (HGMMA, sm_90a): the HGMMA of each shape and the FLOPs a warpgroup issues per
+iteration, the waits for them (WARPGROUP.DEPBAR: at least one per HGMMA means ptxas serialized them, each waited for
+before the next issues), the block barriers (BAR) and the mbarrier waits (SYNCS.PHASECHK) per iteration.
+
 And the machine code of two builds side by side (`compare`): per kernel and arch, whether the SASS is identical,
 and if not how many instructions differ. A refactor or a comment edit is proven harmless by identical SASS without a
 GPU run; a variant shows which kernels it really changed before GPU time is spent on it.
@@ -239,6 +243,36 @@ def loop_report(fn: Function, first: int, last: int) -> dict:
     }
 
 
+_RE_HGMMA_SHAPE = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\.")
+
+
+def wgmma_loop_report(fn: Function, first: int, last: int) -> dict:
+    """A loop's warpgroup MMA: HGMMA by shape (an HGMMA on RZ, which ptxas issues to close an empty group, does no
+    work and is not counted), the waits for them, and the barriers per iteration."""
+    body = fn.instrs[first:last + 1]
+    shapes: dict[str, int] = {}
+    flop = 0
+    for ins in body:
+        m = _RE_HGMMA_SHAPE.match(ins.opcode)
+        if m and ins.operands and ins.operands[0] != "RZ":
+            mm, nn, kk = map(int, m.groups())
+            shapes[f"{mm}x{nn}x{kk}"] = shapes.get(f"{mm}x{nn}x{kk}", 0) + 1
+            flop += 2 * mm * nn * kk
+    hgmma = sum(shapes.values())
+    waits = sum(ins.opcode.startswith("WARPGROUP.DEPBAR") for ins in body)
+    return {
+        "address": f"{body[0].addr:#06x}",
+        "instructions": len(body),
+        "hgmma": hgmma,
+        "hgmma_by_shape": shapes,
+        "flop_per_warpgroup": flop,
+        "wgmma_waits": waits,
+        "serialized": hgmma > 1 and waits >= hgmma,
+        "block_barriers": sum(ins.op == "BAR" for ins in body),
+        "mbarrier_waits": sum(ins.opcode.startswith("SYNCS.PHASECHK") for ins in body),
+    }
+
+
 def _check_archs(functions: list[Function], archs: list[str] | None, have_what: str) -> None:
     """An arch asked for that the build has no SASS for is refused, not left out of the rows without a word."""
     built = sorted({f.arch for f in functions}, key=lambda a: int(a[3:].rstrip("a")))
@@ -264,6 +298,17 @@ def report(functions: list[Function], kernel: str, archs: list[str] | None = Non
         for first, last in loops(f):
             r = loop_report(f, first, last)
             if r["hmma"]:
+                rows.append({"arch": arch, "kernel": name, **r})
+    return rows
+
+
+def wgmma_report(functions: list[Function], kernel: str, archs: list[str] | None = None) -> list[dict]:
+    """One row per (arch, kernel, loop with HGMMA) of the functions whose readable name contains `kernel`."""
+    rows = []
+    for (arch, name), f in _by_kernel(functions, kernel, archs).items():
+        for first, last in loops(f):
+            r = wgmma_loop_report(f, first, last)
+            if r["hgmma"]:
                 rows.append({"arch": arch, "kernel": name, **r})
     return rows
 

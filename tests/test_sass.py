@@ -102,6 +102,38 @@ def test_chain_distances_and_load_leads():
     assert (c["lead_min"], c["lead_median"]) == (2, 3)
 
 
+# A warpgroup-MMA loop as ptxas writes it for sm_90a: S by two HGMMA waited for once, an empty group closed by an
+# HGMMA on RZ, P.V by one; the same loop with every HGMMA waited for alone (what ptxas does when it serializes them).
+WGMMA_SASS = textwrap.dedent("""\
+    \tcode for sm_90a
+    \t\tFunction : k_wg
+            /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R4], R5 ;  /* 0x000 */
+            /*0010*/                   WARPGROUP.ARRIVE ;                            /* 0x000 */
+            /*0020*/                   HGMMA.64x32x16.F32.BF16 R152, gdesc[UR20], RZ, !UPT ;  /* 0x000 */
+            /*0030*/                   HGMMA.64x32x16.F32.BF16 R152, gdesc[UR20], R152, gsb0 ;  /* 0x000 */
+            /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;               /* 0x000 */
+            /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x100 ;          /* 0x000 */
+            /*0060*/                   HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0 ;  /* 0x000 */
+            /*0070*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspB, R24, gsb0 ;  /* 0x000 */
+            /*0080*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;               /* 0x000 */
+            /*0090*/               @P1 BRA 0x0000 ;                                  /* 0x000 */
+            /*00a0*/                   EXIT ;                                        /* 0x000 */
+    """)
+
+
+def test_wgmma_loops_count_hgmma_by_shape_and_say_when_ptxas_serialized_them():
+    (fn,) = sass.parse(WGMMA_SASS)
+    (r,) = sass.wgmma_report([fn], "k_wg")
+    assert r["hgmma_by_shape"] == {"64x32x16": 2, "64x256x16": 1} and r["hgmma"] == 3  # the RZ one does no work
+    assert r["flop_per_warpgroup"] == 2 * 2 * 64 * 32 * 16 + 2 * 64 * 256 * 16
+    assert (r["wgmma_waits"], r["serialized"], r["block_barriers"], r["mbarrier_waits"]) == (2, False, 1, 1)
+    assert sass.report([fn], "k_wg") == []  # no HMMA loop: the mma.sync table has nothing to say of it
+    serial = WGMMA_SASS.replace("R152, gdesc[UR20], RZ, !UPT ;", "R152, gdesc[UR20], RZ, !UPT, gsb0 ;\n"
+                                "        /*0025*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;  /* 0x000 */")
+    (r,) = sass.wgmma_report(sass.parse(serial), "k_wg")
+    assert (r["wgmma_waits"], r["serialized"]) == (3, True)
+
+
 def test_report_filters_kernel_and_arch_and_names_what_exists():
     fns = sass.parse(SASS)
     rows = sass.report(fns, "k_carried")

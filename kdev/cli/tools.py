@@ -119,11 +119,13 @@ def sass_cmd(
             raise typer.Exit(EXIT_CHECK_FAILED)
         return
     kernel = "verify_attn_flash" if kernel is None else kernel
-    rows = sass.report(sass.parse(sass.dump(lib)), kernel, archs)
+    functions = sass.parse(sass.dump(lib))
+    rows = sass.report(functions, kernel, archs)
+    wgmma_rows = sass.wgmma_report(functions, kernel, archs)
     if json_out:
-        report.emit_json({"library": str(lib), "kernel": kernel, "loops": rows})
+        report.emit_json({"library": str(lib), "kernel": kernel, "loops": rows, "wgmma_loops": wgmma_rows})
     else:
-        views.show_loops(rows, lib, kernel)
+        views.show_loops(rows, lib, kernel, wgmma_rows)
 
 
 def _sass_library(ref: str, archs: Optional[list[str]]) -> Path:

@@ -331,8 +331,9 @@ def show_fleet(doc: dict, stage: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- sass
-def show_loops(rows: list[dict], lib, kernel: str) -> None:
-    """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean."""
+def show_loops(rows: list[dict], lib, kernel: str, wgmma_rows: list[dict] = ()) -> None:
+    """kdev sass: one table per kernel, a row per arch and loop that issues HMMA, and what the columns mean; then the
+    loops that issue warpgroup MMA (HGMMA) the same way."""
     def pair(lo, med):
         return "-" if lo is None else f"{lo} / {med:g}"
 
@@ -352,8 +353,22 @@ def show_loops(rows: list[dict], lib, kernel: str) -> None:
         report.show(report.table(f"{name}: loops with HMMA ({lib.name} in {lib.parent.name})",
                                  ["arch", "loop", "instr", "HMMA", "loads", "NOP", "chain", "chains", "lead",
                                   "smem wf", "wf/HMMA"], table_rows, {"left": ("arch", "chains")}))
+    if wgmma_rows:
+        report.show(report.table(
+            f"loops with HGMMA ({lib.name} in {lib.parent.name})",
+            ["kernel", "arch", "loop", "instr", "HGMMA", "by shape", "FLOP / WG", "waits", "BAR", "mbarrier waits"],
+            [[r["kernel"], r["arch"], r["address"], r["instructions"], r["hgmma"],
+              " ".join(f"{s}:{n}" for s, n in r["hgmma_by_shape"].items()), f"{r['flop_per_warpgroup']:,}",
+              f"{r['wgmma_waits']}" + (" SERIALIZED" if r["serialized"] else ""), r["block_barriers"],
+              r["mbarrier_waits"]] for r in wgmma_rows],
+            {"left": ("kernel", "arch", "by shape")}))
+        report.show("HGMMA: warpgroup MMAs per iteration (by shape); FLOP / WG: what one warpgroup issues per "
+                    "iteration; waits: WARPGROUP.DEPBAR per iteration (SERIALIZED: one per HGMMA, each waited for "
+                    "before the next issues); BAR: block barriers; mbarrier waits: SYNCS.PHASECHK")
     if not rows:
-        report.warn(f"{kernel}: no loop with HMMA")
+        if not wgmma_rows:
+            report.warn(f"{kernel}: no loop with HMMA or HGMMA")
+        return
     report.show("chain: min / median HMMAs back to the one that wrote an HMMA's accumulator (about the chains "
                 "in flight), chains: how many HMMAs at each distance; lead: min / median instructions from the "
                 "LDSM / LDS of an HMMA's fragments to the HMMA; smem wf: 128-byte shared-memory wavefronts the "
