@@ -33,8 +33,8 @@ VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_fl
                   "flash-wgmma": "kdtree_verify_attn_flash_wgmma"}
 SCHEDULED_KERNELS = ("flash-scheduled", "flash-portable-scheduled")
 FLASH_KERNELS = ("flash", "flash-portable", *SCHEDULED_KERNELS)  # the split-KV calls every build runs
-# the full tiles by wgmma: a library built for sm_90a, on an sm_90 GPU (elsewhere the call says unsupported); not yet
-# verified on a GPU, so on no default list
+# the flash call that must run its full tiles by wgmma: what flash runs in a library built for sm_90a on an sm_90 GPU;
+# elsewhere it says unsupported, so it is on no default list
 WGMMA_KERNELS = ("flash-wgmma",)
 SPLIT_KV_KERNELS = (*FLASH_KERNELS, *WGMMA_KERNELS)  # a workspace and a split count
 
@@ -275,20 +275,23 @@ class Library:
 
 
 def load_library(path: str | Path | None = None, log=None) -> Library:
-    """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of this GPU's arch alone)
-    if it is current and has this GPU's arch, else a build for this GPU's arch (a cache hit when nothing changed)."""
+    """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of this GPU's arch alone,
+    else of its arch-specific form: --arch sm_90a on an sm_90 GPU) if it is current and has code for this GPU, else a
+    build for this GPU's arch (a cache hit when nothing changed)."""
     from kdev import config, gpu
     from kdev.errors import CheckFailed
 
     if path:
         return Library(path)
-    for latest in (kbuild.latest_library(), kbuild.latest_library(archs=[gpu.current_arch()])):
+    here = gpu.current_arch()
+    for latest in (kbuild.latest_library(), kbuild.latest_library(archs=[here]),
+                   kbuild.latest_library(archs=[f"{here}a"])):
         if latest is None:
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StaleLibraryWarning)
             lib = Library(latest)
-        if not lib.stale and gpu.current_arch() in lib.build_info.get("archs", []):
+        if not lib.stale and kbuild.runs_on(lib.build_info.get("archs", []), gpu.current_arch()):
             return lib
     res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
     if res.problems:

@@ -324,6 +324,12 @@ def _write_record(record: Path, res: BuildResult, cfg: BuildConfig) -> None:
     atomic_write_bytes(record, json.dumps({**doc, "gate": resources.gate_settings(cfg)}, indent=2).encode())
 
 
+def runs_on(archs, gpu_arch: str) -> bool:
+    """Whether a library built for `archs` has machine code for a GPU of `gpu_arch` (sm_90): its own arch, or the
+    arch-specific form of it (sm_90a: sm_90's code and the features of that GPU alone, such as wgmma)."""
+    return gpu_arch in archs or f"{gpu_arch}a" in archs
+
+
 def latest_record(archs) -> str:
     """The record naming the last good build of one arch set: latest-sm_90-sm_120.json."""
     return f"latest-{'-'.join(archs)}.json"

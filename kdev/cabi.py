@@ -214,6 +214,11 @@ class LoadError(RuntimeError):
     """The library does not load, or its ABI does not match this binding."""
 
 
+# Arguments a function gained at an ABI version: (function, the version, the argument's index). A library from before
+# it is typed without that argument (an A/B base or a variant of older kernels/ is loaded beside today's library).
+ADDED_ARGUMENTS = (("kdtree_flash_launch_plan", 6, 4),)  # wgmma_built
+
+
 def load(path: str | Path) -> ctypes.CDLL:
     """The library at `path` with every kdtree_* function the header declares (and the library exports) typed. A
     library from older sources may lack some: hasattr() says which. Raises LoadError where it does not load or where
@@ -226,6 +231,11 @@ def load(path: str | Path) -> ctypes.CDLL:
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.restype, fn.argtypes = restype, argtypes
+    version = lib.kdtree_abi_version() if hasattr(lib, "kdtree_abi_version") else 0
+    for name, since, index in ADDED_ARGUMENTS:
+        fn = getattr(lib, name, None)
+        if fn is not None and version < since:
+            fn.argtypes = [t for i, t in enumerate(fn.argtypes) if i != index]
     if hasattr(lib, "kdtree_params_size") and lib.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
         raise LoadError(f"{path}: VerifyAttnParams is {lib.kdtree_params_size()} B in the library, "
                         f"{ctypes.sizeof(VerifyAttnParams)} B in kdtree.h: rebuild with 'kdev build'")

@@ -135,7 +135,7 @@ def probe_build(repo: Path, target_arch: str, local_archs: list[str]) -> Probe:
                      details)
     sass = info.get("archs", [])
     need = sorted(set(local_archs) | {target_arch})
-    missing = [a for a in need if a not in sass]
+    missing = [a for a in need if not kbuild.runs_on(sass, a)]
     if missing:
         return Probe("build provenance", FAIL, f"library has no SASS for {', '.join(missing)} (built for "
                      f"{', '.join(sass)})", details)

@@ -237,7 +237,9 @@ class PlanLibrary:
                 "narrow_ctas": narrow_ctas.value, "model_tokens": tokens.value, "host_plan": bool(at_bounds.value)}
 
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
-        return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable)
+        # the wgmma kernel's code is in a library built for sm_90a, which an sm_90 GPU runs
+        wgmma_built = gpu.arch.rstrip("a") == "sm_90" and "sm_90a" in self.build_info.get("archs", [])
+        return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable, wgmma_built)
 
     def ctas_per_sm(self, kernel: str, dynamic_smem: int, gpu: GpuSpec) -> int:
         if self.resources is None:

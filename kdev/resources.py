@@ -117,18 +117,20 @@ def embedded_archs(lib: Path, cuobjdump: str | None) -> dict:
 
 
 def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
-    """The loaded library's kdtree_flash_launch_plan (L from cabi.load) as ask(major, smem_optin, tensor_copy, portable)
-    -> {full, full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such a GPU and the
-    dynamic shared memory per block of each. A refusal raises `error` with the library's message. None for a library
-    without the entry point."""
+    """The loaded library's kdtree_flash_launch_plan (L from cabi.load) as ask(major, smem_optin, tensor_copy, portable,
+    wgmma_built) -> {full, full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such
+    a GPU from code with the wgmma kernel or without, and the dynamic shared memory per block of each. A refusal raises
+    `error` with the library's message. None for a library without the entry point; a library before ABI 6 (no
+    wgmma_built argument) is asked without it."""
     fn = getattr(L, "kdtree_flash_launch_plan", None)
     if fn is None:
         return None
+    takes_wgmma = L.kdtree_abi_version() >= 6  # cabi.load typed an older library's entry in its own form
 
-    def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool) -> dict:
+    def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool, wgmma_built: bool = False) -> dict:
         full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
-        if fn(major, smem_optin, tensor_copy, portable, ctypes.byref(full), ctypes.byref(full_smem),
-              ctypes.byref(narrow), ctypes.byref(narrow_smem)):
+        flags = (major, smem_optin, tensor_copy, portable) + ((wgmma_built,) if takes_wgmma else ())
+        if fn(*flags, ctypes.byref(full), ctypes.byref(full_smem), ctypes.byref(narrow), ctypes.byref(narrow_smem)):
             raise error(f"kdtree_flash_launch_plan(major {major}): {cabi.last_error(L)}")
         return {"full": full.value.decode(), "full_smem": full_smem.value, "narrow": narrow.value.decode(),
                 "narrow_smem": narrow_smem.value}
@@ -155,7 +157,7 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
             continue
         for portable in (False, True):
             for tensor_copy in ((True, False) if major >= 9 else (False,)):
-                k = ask(major, limit, tensor_copy, portable)
+                k = ask(major, limit, tensor_copy, portable, wgmma_built=arch == "sm_90a")
                 call = (("flash-portable" if portable else "flash")
                         + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
                 for kernel, smem in ((k["full"], k["full_smem"]), (k["narrow"], k["narrow_smem"])):

@@ -160,7 +160,7 @@ extern "C" {
 // (kernels/include/kdev/flash_plan.cuh), and kdtree_verify_attn_workspace_size covers it.
 // 5: the plan prices a narrow tile by how the tiles are copied, so kdtree_flash_plan, kdtree_flash_split_cost and
 // kdtree_flash_schedule_plan take the page size; kdtree_flash_schedule_plan takes the call's bounds too.
-int kdtree_abi_version(void) { return 5; }
+int kdtree_abi_version(void) { return 6; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
@@ -213,10 +213,21 @@ static int check_workspace(const VerifyAttnParams* p, size_t need) {
 
 // The flash call; `portable`: only the kernels whose blocks fit 101,376 B of shared memory, the ones an sm_120 GPU
 // runs, whatever this GPU allows (on an sm_90 GPU the tensor-copy path would otherwise take the teams kernels);
-// `scheduled`: the kernels take their work from the schedule kdtree_flash_schedule wrote into the workspace.
+// `scheduled`: the kernels take their work from the schedule kdtree_flash_schedule wrote into the workspace. The
+// Hopper call (not portable) runs its full row tiles in the wgmma kernel where the loaded code has it (a library built
+// for sm_90a, on an sm_90 GPU) and tensor copies bring the tiles; `need_wgmma`: elsewhere it refuses instead of running
+// the mma.sync kernels (kdtree_verify_attn_flash_wgmma).
 static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream,
-                             bool wgmma = false) {
+                             bool need_wgmma = false) {
   if (int st = validate(p)) return st;
+  bool wgmma = false;
+  if (!portable) {
+    const cudaError_t err = kdtree::flash_wgmma_built(&wgmma);
+    if (err != cudaSuccess) return cuda_fail(err, "flash_wgmma_built");
+  }
+  if (need_wgmma && !wgmma)
+    return fail(KDTREE_ERR_UNSUPPORTED, "flash-wgmma: the code loaded for this GPU has no wgmma kernel (a library "
+                "built for sm_90a has it, on an sm_90 GPU: kdev build --arch sm_90a)");
   int sm_count = 0;
   if (int st = plan_sm_count(p, &sm_count)) return st;
   const kdtree::FlashPlan plan = flash_plan(p, sm_count);
@@ -238,22 +249,10 @@ int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, cudaStream_t st
   return verify_attn_flash(p, true, false, stream);
 }
 
-// The flash call with its full row tiles in the wgmma kernel (flash/wgmma.cuh) where tensor copies bring the tiles:
-// the same contract, plan, workspace and other kernels. Only the code of a library built for sm_90a has that kernel,
-// and only an sm_90 GPU runs it: elsewhere KDTREE_ERR_UNSUPPORTED. Whether the loaded code has it is asked of the GPU
-// once (a synchronous read): the first call on a GPU must not be one a graph captures.
+// The flash call, its full row tiles in the wgmma kernel (flash/wgmma.cuh; pages of >= 32 tokens) or refused: what
+// kdtree_verify_attn_flash runs in a library built for sm_90a on an sm_90 GPU, KDTREE_ERR_UNSUPPORTED elsewhere.
 int kdtree_verify_attn_flash_wgmma(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
-  if (int st = validate(p)) return st;
-  bool built = false;
-  const cudaError_t err = kdtree::flash_wgmma_built(stream, &built);
-  if (err == cudaErrorStreamCaptureUnsupported)
-    return fail(KDTREE_ERR_UNSUPPORTED, "flash-wgmma: make the first call on this GPU outside a graph capture (it asks "
-                "the GPU whether the loaded code has the wgmma kernel)");
-  if (err != cudaSuccess) return cuda_fail(err, "flash_wgmma_built");
-  if (!built)
-    return fail(KDTREE_ERR_UNSUPPORTED, "flash-wgmma: the code loaded for this GPU has no wgmma kernel (a library "
-                "built for sm_90a has it, on an sm_90 GPU: kdev build --arch sm_90a)");
   return verify_attn_flash(p, false, false, stream, true);
 }
 
@@ -289,16 +288,18 @@ int kdtree_verify_attn_flash_portable_scheduled(const VerifyAttnParams* p, cudaS
 
 // What the flash call (portable = 0) or the portable call launches on a GPU of compute capability `major` whose
 // blocks may hold `smem_optin` bytes of shared memory, for full tiles by tensor copy (tensor_copy = 1: sm_90+, pages
-// of >= 32 tokens) or by cp.async: the full-tile and the narrow kernel, by name, and the dynamic shared memory per
-// block of each. Needs no GPU: `kdev build` reports it per arch beside the ptxas table and gates on it.
-int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
-                             int* full_smem, const char** narrow_kernel, int* narrow_smem) {
+// of >= 32 tokens) or by cp.async, from code with the wgmma kernel (wgmma_built = 1: a library built for sm_90a) or
+// without: the full-tile and the narrow kernel, by name, and the dynamic shared memory per block of each (ABI 6 added
+// wgmma_built). Needs no GPU: `kdev build` reports it per arch beside the ptxas table and gates on it.
+int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, int wgmma_built,
+                             const char** full_kernel, int* full_smem, const char** narrow_kernel, int* narrow_smem) {
   g_last_error[0] = '\0';
   if (full_kernel == nullptr || full_smem == nullptr || narrow_kernel == nullptr || narrow_smem == nullptr)
     return fail(KDTREE_ERR_INVALID, "an output pointer is NULL");
   if (major < 8) return fail(KDTREE_ERR_INVALID, "compute capability major %d: the flash kernels need sm_80+", major);
   if (tensor_copy && major < 9) return fail(KDTREE_ERR_INVALID, "tensor copies need sm_90+, not major %d", major);
-  const kdtree::FlashKernels k = kdtree::flash_kernels(major, smem_optin, tensor_copy != 0, portable != 0);
+  const kdtree::FlashKernels k = kdtree::flash_kernels(major, smem_optin, tensor_copy != 0, portable != 0,
+                                                       wgmma_built != 0);
   *full_kernel = k.full;
   *full_smem = k.full_smem;
   *narrow_kernel = k.narrow;

@@ -150,51 +150,54 @@ cudaError_t launch_flash_schedule(const VerifyAttnParams& p, const FlashPlan& pl
   return cudaGetLastError();
 }
 
-FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable) {
+FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable, bool wgmma_built) {
   // The teams kernels where a block holds their ring (sm_90: measured faster, NOTES.md) unless the call is portable,
-  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body. The names are those of the
-  // kernels launch_verify_attn_flash picks by the same two flags (teams, tensor_copy).
+  // else the lockstep ones; the arch window is the one KDTREE_FLASH_TEAMS gives a body. Where the loaded code has the
+  // wgmma kernel (only sm_90 runs it), it takes the full tiles of the teams' place (faster at every target, NOTES.md).
+  // The names are those of the kernels launch_verify_attn_flash picks by the same flags (wgmma, teams, tensor_copy).
   const bool teams = tensor_copy && !portable && major < 12 && smem_optin >= kTeamsSmemBytes;
+  if (teams && wgmma_built && major == 9 && smem_optin >= kWgmmaSmemBytes)
+    return {true, true, "verify_attn_flash_wgmma_kernel", kWgmmaSmemBytes,
+            "verify_attn_flash_narrow_kernel<true, true>", kTeamsSmemBytes};
   if (teams)
-    return {true, "verify_attn_flash_teams_kernel", kTeamsSmemBytes, "verify_attn_flash_narrow_kernel<true, true>",
-            kTeamsSmemBytes};
+    return {false, true, "verify_attn_flash_teams_kernel", kTeamsSmemBytes,
+            "verify_attn_flash_narrow_kernel<true, true>", kTeamsSmemBytes};
   if (tensor_copy)
-    return {false, "verify_attn_flash_kernel<true>", kSmemBytes, "verify_attn_flash_narrow_kernel<true, false>",
+    return {false, false, "verify_attn_flash_kernel<true>", kSmemBytes, "verify_attn_flash_narrow_kernel<true, false>",
             kSmemBytes};
-  return {false, "verify_attn_flash_kernel<false>", kSmemBytes, "verify_attn_flash_narrow_kernel<false, false>",
-          kSmemBytes};
+  return {false, false, "verify_attn_flash_kernel<false>", kSmemBytes,
+          "verify_attn_flash_narrow_kernel<false, false>", kSmemBytes};
 }
 
-// 1 in the code of an sm_90a build, 0 in every other (flash_wgmma_built reads it from the loaded module).
-__device__ int g_flash_wgmma_built = KDTREE_HAS_WGMMA;
+// Where the wgmma kernel's body is compiled (an sm_90a build) it keeps O's 128 fp32 accumulators a thread, so ptxas
+// gives it more than 128 registers; in every other build it is an empty kernel of a few (tests/test_wgmma.py checks
+// both in the ptxas report). Asked of the loaded function's attributes: no copy and no launch, so a call made while
+// the stream is being captured may ask.
+constexpr int kWgmmaBodyMinRegisters = 129;
 
-cudaError_t flash_wgmma_built(cudaStream_t stream, bool* built) {
-  static int known[64] = {};  // per device: 0 not asked yet, 1 no, 2 yes
+cudaError_t flash_wgmma_built(bool* built) {
+  static int known[64] = {};  // per device: 0 not asked yet, 1 no, 2 yes (every flash call asks)
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev >= 64) return cudaErrorInvalidDevice;
   if (known[dev] == 0) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    err = cudaStreamIsCapturing(stream, &capture);
-    if (err != cudaSuccess) return err;
-    if (capture != cudaStreamCaptureStatusNone) return cudaErrorStreamCaptureUnsupported;
-    int value = 0;
-    err = cudaMemcpyFromSymbol(&value, g_flash_wgmma_built, sizeof value);
-    if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidSymbol) {
-      cudaGetLastError();
-      value = 0;  // no code for this GPU at all
+    cudaFuncAttributes attr{};
+    err = cudaFuncGetAttributes(&attr, verify_attn_flash_wgmma_kernel);
+    if (err == cudaErrorInvalidDeviceFunction || err == cudaErrorNoKernelImageForDevice) {
+      cudaGetLastError();  // no code for this GPU at all: the flash launch will say so
+      attr.numRegs = 0;
     } else if (err != cudaSuccess) {
       return err;
     }
-    known[dev] = value ? 2 : 1;
+    known[dev] = attr.numRegs >= kWgmmaBodyMinRegisters ? 2 : 1;
   }
   *built = known[dev] == 2;
   return cudaSuccess;
 }
 
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
-                                     bool wgmma, cudaStream_t stream) {
+                                     bool wgmma_built, cudaStream_t stream) {
   int dev = 0, major = 0, sms = 0, threads_per_sm = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -205,17 +208,15 @@ cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan&
   const bool sm90 = major >= 9;  // tensor copies and the programmatic launches
   CUtensorMap kv_map{};
   const bool tensor_copy = sm90 && encode_kv_map(p, &kv_map);
-  const FlashKernels choice = flash_kernels(major, smem_optin, tensor_copy, portable);
+  const FlashKernels choice = flash_kernels(major, smem_optin, tensor_copy, portable, wgmma_built);
   const bool teams = choice.teams;
-  const bool full_wgmma = wgmma && tensor_copy && !portable;  // smaller pages: the cp.async kernels, as flash runs them
-  const auto kernel = full_wgmma ? verify_attn_flash_wgmma_kernel
-                      : teams    ? verify_attn_flash_teams_kernel
-                                 : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
-  const int full_smem = full_wgmma ? kWgmmaSmemBytes : choice.full_smem;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, full_smem);
+  const auto kernel = choice.wgmma ? verify_attn_flash_wgmma_kernel
+                      : teams      ? verify_attn_flash_teams_kernel
+                                   : (tensor_copy ? verify_attn_flash_kernel<true> : verify_attn_flash_kernel<false>);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, choice.full_smem);
   if (err != cudaSuccess) return err;
   const FlashLaunch& l = scheduled ? plan.scheduled : plan.launch;
-  kernel<<<dim3((unsigned)l.units), full_wgmma ? kWgThreads : kThreads, full_smem, stream>>>(p, l, kv_map);
+  kernel<<<dim3((unsigned)l.units), choice.wgmma ? kWgThreads : kThreads, choice.full_smem, stream>>>(p, l, kv_map);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (l.narrow_splits > 0) {  // the rows of the requests' narrow last tiles, on the SMs the full tiles leave

@@ -130,3 +130,20 @@ def test_load_library_reuses_a_current_build_for_this_arch(monkeypatch, sm90_lib
     assert abi.load_library().path == sm90_library and built == []
     monkeypatch.setattr(gpu, "current_arch", lambda: "sm_120")  # the last build lacks this GPU's arch
     assert abi.load_library().path == sm90_library and built == [("sm_120",)]
+
+
+def test_load_library_takes_an_arch_specific_build_for_its_gpu(monkeypatch, tmp_path):
+    """kdev build --arch sm_90a on an sm_90 GPU (its wgmma kernels): the library every command then loads, with no
+    build of plain sm_90 made beside it."""
+    from types import SimpleNamespace
+
+    from kdev import gpu
+
+    specific = tmp_path / "libkdtree.so"
+    monkeypatch.setattr(kbuild, "latest_library", lambda output_dir=None, archs=None:
+                        specific if archs == ["sm_90a"] else None)
+    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_90")
+    monkeypatch.setattr(abi, "Library", lambda p: SimpleNamespace(path=p, stale=False,
+                                                                  build_info={"archs": ["sm_90a"]}))
+    monkeypatch.setattr(kbuild, "build", lambda cfg, log=None: pytest.fail(f"built {cfg.archs}"))
+    assert abi.load_library().path == specific

@@ -71,13 +71,22 @@ def test_launch_plan_entry_point_refuses_what_no_gpu_runs(both_archs):
     lib.kdtree_last_error.restype = ctypes.c_char_p
     full, narrow, full_smem, narrow_smem = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int()
     args = (ctypes.byref(full), ctypes.byref(full_smem), ctypes.byref(narrow), ctypes.byref(narrow_smem))
-    assert lib.kdtree_flash_launch_plan(8, 166912, 1, 0, *args) == 1
+    assert lib.kdtree_flash_launch_plan(8, 166912, 1, 0, 0, *args) == 1
     assert b"tensor copies need sm_90+" in lib.kdtree_last_error()
-    assert lib.kdtree_flash_launch_plan(7, 65536, 0, 0, *args) == 1
-    assert lib.kdtree_flash_launch_plan(9, 232448, 1, 0, None, *args[1:]) == 1
+    assert lib.kdtree_flash_launch_plan(7, 65536, 0, 0, 0, *args) == 1
+    assert lib.kdtree_flash_launch_plan(9, 232448, 1, 0, 0, None, *args[1:]) == 1
     # a GPU whose blocks cannot hold the teams' ring gets the lockstep kernels even on sm_90
-    assert lib.kdtree_flash_launch_plan(9, 101376, 1, 0, *args) == 0 and full.value == b"verify_attn_flash_kernel<true>"
+    assert lib.kdtree_flash_launch_plan(9, 101376, 1, 0, 0, *args) == 0
+    assert full.value == b"verify_attn_flash_kernel<true>"
     assert full_smem.value == narrow_smem.value <= 101376
+    # code with the wgmma kernel: its full tiles where tensor copies bring them, and the teams' narrow kernel; not in
+    # the portable call, not at pages of < 32 tokens, and not on an sm_120 GPU (which has no wgmma)
+    assert lib.kdtree_flash_launch_plan(9, 232448, 1, 0, 1, *args) == 0
+    assert full.value == b"verify_attn_flash_wgmma_kernel"
+    assert narrow.value == b"verify_attn_flash_narrow_kernel<true, true>"
+    assert narrow_smem.value < full_smem.value <= 232448
+    for flags in ((9, 232448, 1, 1, 1), (9, 232448, 0, 0, 1), (12, 101376, 1, 0, 1)):
+        assert lib.kdtree_flash_launch_plan(*flags, *args) == 0 and b"wgmma" not in full.value, flags
 
 
 def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
@@ -92,6 +101,26 @@ def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
     (tmp_path / "broken.so").write_bytes(b"not a library")
     with pytest.raises(CheckFailed, match="does not load"):
         resources.flash_launches(tmp_path / "broken.so", config.load_build())
+
+
+def test_a_library_before_abi_6_is_asked_its_launches_without_the_wgmma_argument(tmp_path):
+    """A variant of older kernels/ (an A/B base) has the launch-plan entry point without wgmma_built: asked in its own
+    form (an argument too many would be read as its first output pointer)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "abi5.c"
+    src.write_text('int kdtree_abi_version(void) { return 5; }\n'
+                   'const char* kdtree_last_error(void) { return ""; }\n'
+                   'int kdtree_flash_launch_plan(int major, int smem, int tc, int portable, const char** full,\n'
+                   '                             int* full_smem, const char** narrow, int* narrow_smem) {\n'
+                   '  *full = portable ? "k_portable" : "k_flash"; *full_smem = 1000 * major + tc;\n'
+                   '  *narrow = "k_narrow"; *narrow_smem = 7; return 0; }\n')
+    lib = tmp_path / "libabi5.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    rows = resources.flash_launches(lib, config.load_build(None, ["sm_90a"]))
+    # one row per kernel, from its first ask (tensor copies): major 9 and tensor_copy 1 read where they stand
+    assert {(r["kernel"], r["dynamic_smem"]) for r in rows} == {("k_flash", 9001), ("k_portable", 9001), ("k_narrow", 7)}
 
 
 def test_launch_gate_names_kernel_arch_and_limit():
@@ -250,6 +279,12 @@ def test_a_kernel_whose_wgmma_ptxas_serialized_fails_the_gate():
     (problem,) = resources.resource_problems(rows, lenient)
     assert problem == ("_Z3wgv [sm_90a]: ptxas serialized its wgmma (program dependence on compiler-inserted WG.AR in "
                        "divergent path)")
+
+
+def test_an_arch_specific_build_runs_on_its_gpu_and_no_other():
+    assert kbuild.runs_on(["sm_90a", "sm_120"], "sm_90") and kbuild.runs_on(["sm_90", "sm_120"], "sm_90")
+    assert kbuild.runs_on(["sm_90a"], "sm_90a") and not kbuild.runs_on(["sm_90a"], "sm_120")
+    assert not kbuild.runs_on(["sm_90"], "sm_100") and not kbuild.runs_on(["sm_120"], "sm_90")
 
 
 def test_gencode_embeds_ptx_for_newest_only():

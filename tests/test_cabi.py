@@ -156,7 +156,7 @@ def test_the_library_exports_exactly_what_the_header_declares(sm90_library):
     assert lib.kdtree_params_size() == ctypes.sizeof(cabi.VerifyAttnParams)
     # a refusal carries the status the header names and the page rule's words
     full, size = ctypes.c_char_p(), ctypes.c_int()
-    assert lib.kdtree_flash_launch_plan(7, 0, 0, 0, ctypes.byref(full), ctypes.byref(size), ctypes.byref(full),
+    assert lib.kdtree_flash_launch_plan(7, 0, 0, 0, 0, ctypes.byref(full), ctypes.byref(size), ctypes.byref(full),
                                         ctypes.byref(size)) == cabi.ERR_INVALID
     assert "sm_80" in cabi.last_error(lib)
     compact = cabi.CompactParams(struct_size=ctypes.sizeof(cabi.CompactParams), batch=1, t_stride=1, page_size=3,

@@ -12,13 +12,18 @@ pytestmark = pytest.mark.nvcc
 
 
 @pytest.fixture(scope="module")
-def sm90a_functions(tmp_path_factory):
+def sm90a_build(tmp_path_factory):
     c = kconfig.load_build(None, ["sm_90a"])
     cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("wg") / "build", False, c.smem_limit_bytes,
                               c.path)
     res = kbuild.build(cfg)
     assert not res.problems, res.problems
-    functions = sass.parse(sass.dump(res.library))
+    return res
+
+
+@pytest.fixture(scope="module")
+def sm90a_functions(sm90a_build):
+    functions = sass.parse(sass.dump(sm90a_build.library))
     names = sass.demangle(sorted({f.name for f in functions}))
     return {names[f.name]: f for f in functions}
 
@@ -48,3 +53,15 @@ def test_the_wgmma_verify_kernel_issues_its_tiles_products_by_hgmma(sm90a_functi
     pv = [t for t in ops if "64x256x16.F32.BF16" in t]
     assert len(pv) == 4 and all(".tnspB" in t and "gdesc" in t.split(",")[1] for t in pv)
     assert not any(i.op == "HMMA" for i in kernel.instrs)
+
+
+def test_the_flash_call_can_tell_where_the_wgmma_body_is_compiled(sm90a_build, both_archs):
+    """kdtree_verify_attn_flash runs the wgmma kernel where the loaded code has its body, which it reads from the
+    kernel's register count (kernels/verify_attn_flash.cu, kWgmmaBodyMinRegisters = 129: O's 128 fp32 accumulators
+    a thread need more): more than 128 in the sm_90a build, a few in every other arch's."""
+    def registers(resources):
+        return {r["arch"]: r["registers"] for r in resources if r["kernel"] == "verify_attn_flash_wgmma_kernel"}
+
+    assert registers(sm90a_build.resources)["sm_90a"] >= 129
+    others = registers(both_archs[1].resources)
+    assert set(others) == {"sm_90", "sm_120"} and max(others.values()) <= 128

@@ -77,3 +77,30 @@ def test_flash_wgmma_in_a_library_without_it_says_unsupported(lib):
     with pytest.raises(abi.KernelError) as e:
         lib.run("flash-wgmma", x)
     assert e.value.status == cabi.ERR_UNSUPPORTED and "sm_90a" in e.value.message
+
+
+@pytest.mark.parametrize("case_index", [4, 8])  # ddtree-n64-2k; ragged-ddtree (pages of 64: tensor copies)
+def test_flash_of_an_sm90a_library_is_the_wgmma_call_even_first_in_a_graph(lib90a, tmp_path, case_index):
+    """In a library built for sm_90a the flash call runs its full tiles by wgmma: the bits of flash-wgmma. It asks the
+    loaded function's attributes which code it has, which a captured call may do: a second load of the library (a copy
+    of the file) makes its very first flash call inside a graph capture."""
+    import shutil
+
+    from kdev import cases
+
+    case = cases.generate_case(config.load_suite("smoke").cases[case_index])
+    x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
+    want_out, want_lse = lib90a.run("flash-wgmma", x)
+    copy = tmp_path / "libkdtree.so"
+    shutil.copy(lib90a.path, copy)
+    fresh = abi.Library(copy)
+    out, lse = fresh.alloc_outputs(x)
+    p = fresh.params(x, out, lse)
+    ws = fresh.alloc_workspace("flash", p, "cuda")  # noqa: F841  (kept alive for the replay)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            fresh.call("flash", p)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

@@ -146,7 +146,7 @@ typedef struct CompactParams {
 
 /* ------------------------------------------------------------------------------------------- entry points */
 /* Library facts. */
-int kdtree_abi_version(void);            /* 5 */
+int kdtree_abi_version(void);            /* 6 */
 size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
 int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
 const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
@@ -154,10 +154,13 @@ const char* kdtree_build_info(void);     /* provenance JSON: git sha and dirty f
 
 /* Tree-verify attention. Nothing allocates or synchronises: every call can be captured in a CUDA graph. */
 int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);           /* the naive oracle */
-int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);     /* tensor cores, split-KV */
+/* The flash call (tensor cores, split-KV): in a library built for sm_90a, on an sm_90 GPU, its full row tiles by
+ * wgmma where pages hold >= 32 tokens (the Hopper product); elsewhere by mma.sync. */
+int kdtree_verify_attn_flash(const VerifyAttnParams* p, kdtree_stream_t stream);
 int kdtree_verify_attn_flash_portable(const VerifyAttnParams* p, kdtree_stream_t stream); /* sm_120's kernels */
-/* The flash call with its full row tiles by wgmma (a library built for sm_90a, on an sm_90 GPU; else
- * KDTREE_ERR_UNSUPPORTED). Not yet verified on a GPU: off every default. Its first call on a GPU must not be captured. */
+/* The flash call with its full row tiles by wgmma (pages of >= 32 tokens; smaller ones take the cp.async kernels, as
+ * the flash call does), or KDTREE_ERR_UNSUPPORTED where the loaded code has no wgmma kernel (not a library built for
+ * sm_90a on an sm_90 GPU): a run that must time or verify the wgmma kernel. */
 int kdtree_verify_attn_flash_wgmma(const VerifyAttnParams* p, kdtree_stream_t stream);
 /* The device schedule (ABI 4): split counts from each request's own lengths, made on the GPU into the workspace; then any
  * number of scheduled calls with the same lengths (every layer of a decoding step) read it; make it again whenever
@@ -173,8 +176,8 @@ int kdtree_verify_attn_workspace_size(const VerifyAttnParams* p, size_t* bytes);
 int kdtree_verify_attn_flash_splits(const VerifyAttnParams* p, int* num_splits);
 
 /* The flash call's plan and launches, asked without a GPU. */
-int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, const char** full_kernel,
-                             int* full_smem, const char** narrow_kernel, int* narrow_smem);
+int kdtree_flash_launch_plan(int major, int smem_optin, int tensor_copy, int portable, int wgmma_built,
+                             const char** full_kernel, int* full_smem, const char** narrow_kernel, int* narrow_smem);
 int kdtree_flash_plan(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len, int page_size,
                       int sm_count, int threads_per_sm, int* num_m_tiles, int* num_splits, int* narrow_splits,
                       int* combine_groups, size_t* workspace_bytes);

@@ -28,25 +28,25 @@ FlashPlan plan_verify_attn_flash(int batch, int total_q, int num_heads, int max_
 int flash_combine_groups(const FlashPlan& plan, long batch, long rows, int sms, int threads_per_sm);
 // Which kernels a flash call launches and the dynamic shared memory per block they take, on a GPU of compute
 // capability `major` whose blocks may hold `smem_optin` bytes: full tiles by tensor copy (sm_90+, pages of >= 32
-// tokens) or by cp.async, the flash or the portable call. The launcher decides by it; kdtree_flash_launch_plan reports
-// it.
+// tokens) or by cp.async, the flash or the portable call, with the loaded code holding the wgmma kernel or not (a
+// library built for sm_90a on an sm_90 GPU). The launcher decides by it; kdtree_flash_launch_plan reports it.
 struct FlashKernels {
+  bool wgmma;          // the full tiles in the wgmma kernel (flash/wgmma.cuh), the narrow ones in the teams' kernel
   bool teams;          // the teams kernels (a four-deep ring: sm_90 to sm_11x), else the lockstep ones
   const char* full;    // the full-tile kernel, as `kdev build` names kernels
   int full_smem;       // its dynamic shared memory per block
   const char* narrow;  // the narrow kernel (a request's last row tile of <= 16 rows)
   int narrow_smem;
 };
-FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable);
+FlashKernels flash_kernels(int major, int smem_optin, bool tensor_copy, bool portable, bool wgmma_built);
 // portable: only the kernels that fit 101,376 B of shared memory per block (sm_120's), on any GPU; scheduled: the
-// kernels read their work from the schedule that launch_flash_schedule wrote into the workspace before; wgmma: the
-// full tiles in the wgmma kernel where tensor copies bring them (flash_wgmma_built must have said it is there).
+// kernels read their work from the schedule that launch_flash_schedule wrote into the workspace before; wgmma_built:
+// the loaded code holds the wgmma kernel (flash_wgmma_built), which flash_kernels then picks where it applies.
 cudaError_t launch_verify_attn_flash(const VerifyAttnParams& p, const FlashPlan& plan, bool portable, bool scheduled,
-                                     bool wgmma, cudaStream_t stream);
-// Whether the code loaded for the current GPU holds the wgmma kernel (a library built for sm_90a, on an sm_90 GPU):
-// asked of the device once per GPU, by a synchronous copy, so not while `stream` is being captured
-// (cudaErrorStreamCaptureUnsupported until a call outside a capture has asked).
-cudaError_t flash_wgmma_built(cudaStream_t stream, bool* built);
+                                     bool wgmma_built, cudaStream_t stream);
+// Whether the code loaded for the current GPU holds the wgmma kernel (a library built for sm_90a, on an sm_90 GPU),
+// from the loaded function's attributes: allowed while a stream is being captured.
+cudaError_t flash_wgmma_built(bool* built);
 cudaError_t launch_flash_schedule(const VerifyAttnParams& p, const FlashPlan& plan, cudaStream_t stream);
 }  // namespace kdtree
 #endif
