@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200, sm_120 on an RTX PRO 6000: read
-# from nvidia-smi's compute capability, GPU_ARCH=sm_NN to name it) and its SASS schedule
+# from nvidia-smi's compute capability, GPU_ARCH=sm_NN to name it; GPU_ARCH=sm_90a: the flash call by wgmma, that
+# library every step's) and its SASS schedule
 # (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite
 # and a fuzz run (each followed by flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu:
 # the target's kernels and grids), and a short bench beside the launch plan of its shapes on this GPU (kdev plan,
@@ -192,6 +193,12 @@ TREE_LIB=""
 if [ "${RC[build]}" = 0 ]; then
   { echo "=== sass: python3 -m kdev sass --arch $ARCH"; python3 -m kdev sass --arch "$ARCH" 2>&1; } | tee -a "$LOG" | tail -n 12
   TREE_LIB="$(python3 -c 'from kdev.build import latest_library; print(latest_library() or "")' 2>/dev/null)"
+  # an arch-specific build (GPU_ARCH=sm_90a: the flash call by wgmma) is the library of every later step, the GPU
+  # tests' too (tests/gpu/conftest.py takes KDEV_LIB)
+  if [[ "$ARCH" == *a ]]; then
+    KDEV_LIB="$(python3 -c 'import sys; from kdev.build import latest_library; print(latest_library(archs=[sys.argv[1]]) or "")' "$ARCH" 2>/dev/null)"
+    [ -n "$KDEV_LIB" ] && export KDEV_LIB && echo "library of every step: $KDEV_LIB" | tee -a "$LOG"
+  fi
 fi
 if [ "$ONLY_DEPLOY" = 0 ] && [ "$ONLY_PROFILE" = 0 ]; then
 if [ "$SKIP_TESTS" = 0 ]; then
