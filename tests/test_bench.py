@@ -78,6 +78,23 @@ def _doc(results):
             "results": results}
 
 
+def test_the_floor_is_priced_at_wgmma_where_it_was_measured_and_the_table_says_which(tmp_path):
+    from kdev.bench import ceilings
+
+    measured = {"flops": 642e12, "bytes_per_s": 3.04e12, "wgmma_flops": 984e12}
+    assert ceilings.floor_ceiling(measured) == {"name": "wgmma", "flops": 984e12}
+    assert ceilings.floor_ceiling({**measured, "wgmma_flops": None}) == {"name": "mma.sync", "flops": 642e12}
+    doc = _doc([_result("B1-L1024-N64-H8-p64", "flash", 100.0)])
+    doc["provenance"].update(ceilings=measured, floor_ceiling=ceilings.floor_ceiling(measured))
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "--from", str(tmp_path / "new.json")], terminal_width=200)
+    assert r.exit_code == 0 and "floor at wgmma 984 TFLOP/s, 3040 GB/s" in r.output, r.output
+    del doc["provenance"]["floor_ceiling"]  # a result from before the ceiling was recorded: its floors are mma.sync's
+    (tmp_path / "new.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["bench", "--from", str(tmp_path / "new.json")], terminal_width=200)
+    assert r.exit_code == 0 and "floor at mma.sync 642 TFLOP/s" in r.output, r.output
+
+
 def test_baseline_verdicts():
     base = [_result("B1-L1024-N64-H8-p64", "flash", 100.0), _result("B1-L4096-N64-H8-p64", "flash", 100.0),
             _result("B1-L8192-N64-H8-p64", "flash", 100.0, rel_sem=0.05)]

@@ -30,6 +30,13 @@ def load_ceilings(gpu_id: dict) -> dict | None:
             "source": known[0].ceilings_source} if known else None
 
 
+def floor_ceiling(ceilings: dict) -> dict:
+    """The tensor ceiling a bench floor is priced at, named: wgmma's where it was measured on this GPU (an sm_90 GPU,
+    with a library built for sm_90a: what the Hopper product may use), else mma.sync's."""
+    wgmma = ceilings.get("wgmma_flops")
+    return {"name": "wgmma", "flops": wgmma} if wgmma else {"name": "mma.sync", "flops": ceilings["flops"]}
+
+
 def save_ceilings(gpu_id: dict, ceilings: dict) -> Path:
     from kdev.fsutil import atomic_write_bytes
 

@@ -52,7 +52,10 @@ def results_table(doc: dict, verdicts: list | None, normalize_by: str | None):
         cols.append(f"vs baseline (/{normalize_by})" if normalize_by else "vs baseline")
     prov = doc["provenance"]
     ceil = prov.get("ceilings")
-    ceil_s = f"{ceil['flops'] / 1e12:.0f} TFLOP/s, {ceil['bytes_per_s'] / 1e9:.0f} GB/s" if ceil else "unknown ceilings"
+    # the tensor ceiling the floors were priced at (a result from before it was recorded: mma.sync's)
+    tensor = prov.get("floor_ceiling") or ({"name": "mma.sync", "flops": ceil["flops"]} if ceil else None)
+    ceil_s = (f"floor at {tensor['name']} {tensor['flops'] / 1e12:.0f} TFLOP/s, {ceil['bytes_per_s'] / 1e9:.0f} GB/s"
+              if ceil else "unknown ceilings")
     from kdev.plan import PlanTarget
 
     planned = prov.get("plan")

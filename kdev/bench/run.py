@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kdev.bench.ceilings import load_ceilings
+from kdev.bench.ceilings import floor_ceiling, load_ceilings
 from kdev.bench.measure import measure
 from kdev.bench.runners import make_inputs, make_runner
 from kdev.bench.sweeps import PEER_LSE_TOLERANCE, BenchConfig, Shape, flops_bytes
@@ -62,7 +62,8 @@ def _environment(cfg: BenchConfig):
 def _provenance(cfg: BenchConfig, lib, ident: dict, ceil, seed: int, l2: int) -> dict:
     import torch
 
-    return {"gpu": ident, "ceilings": ceil, "method": {k: v for k, v in asdict(cfg.method).items()},
+    return {"gpu": ident, "ceilings": ceil, "floor_ceiling": floor_ceiling(ceil) if ceil else None,
+            "method": {k: v for k, v in asdict(cfg.method).items()},
             "build_info": lib.build_info, "library": str(lib.path), "seed": seed, "torch": torch.__version__,
             "l2_bytes": l2, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -82,7 +83,7 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         flops, nbytes = flops_bytes(sizes, prefixes, shape.heads)
         floor = bound = None
         if ceil:
-            tc, tm = flops / ceil["flops"], nbytes / ceil["bytes_per_s"]
+            tc, tm = flops / floor_ceiling(ceil)["flops"], nbytes / ceil["bytes_per_s"]
             floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
         oracle = make_runner("naive", x, lib, peers)
         oracle.run()
