@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from kdev import build as kbuild
-from kdev import refs
-from kdev import cabi
+from kdev import cabi, config, refs
 from kdev.cabi import AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, VerifyAttnParams
 from kdev.errors import BadInput, EnvironmentMissing
 
@@ -278,7 +277,7 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
     """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of this GPU's arch alone,
     else of its arch-specific form: --arch sm_90a on an sm_90 GPU) if it is current and has code for this GPU, else a
     build for this GPU's arch (a cache hit when nothing changed)."""
-    from kdev import config, gpu
+    from kdev import gpu
     from kdev.errors import CheckFailed
 
     if path:
@@ -337,8 +336,8 @@ def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = Non
                 from kdev import gpu
 
                 build_arch = gpu.current_arch()
-                if kernel in WGMMA_KERNELS and build_arch == "sm_90":
-                    build_arch = "sm_90a"
+                if kernel in WGMMA_KERNELS and kbuild.runs_on([config.WGMMA_ARCH], build_arch):
+                    build_arch = config.WGMMA_ARCH
             res = refs.library_for(ref, [build_arch], log)
             if res.problems and log:
                 log(f"{name}: its build fails the resource gate ({res.problems[0]}); run anyway")

@@ -335,6 +335,11 @@ class BuildConfig:
     default_archs: tuple = ()
 
 
+# The one arch whose code holds the wgmma kernels (their bodies compile under __CUDA_ARCH_FEAT_SM90_ALL,
+# kernels/include/kdev/wgmma.cuh); an sm_90 GPU runs it.
+WGMMA_ARCH = "sm_90a"
+
+
 def _arch_ok(a) -> bool:
     """sm_ and a two- or three-digit compute capability (sm_90, sm_120), optionally arch-specific (sm_90a)."""
     return isinstance(a, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}a?", a) is not None

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from kdev import bench, cabi
 from kdev.resources import launch_plan_entry
-from kdev.config import REPO_ROOT, GpuSpec, load_gpus
+from kdev.build import runs_on
+from kdev.config import REPO_ROOT, WGMMA_ARCH, GpuSpec, load_gpus
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import read_json_record
 
@@ -238,7 +239,8 @@ class PlanLibrary:
 
     def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
         # the wgmma kernel's code is in a library built for sm_90a, which an sm_90 GPU runs
-        wgmma_built = gpu.arch.rstrip("a") == "sm_90" and "sm_90a" in self.build_info.get("archs", [])
+        archs = self.build_info.get("archs", [])
+        wgmma_built = WGMMA_ARCH in archs and runs_on([WGMMA_ARCH], gpu.arch.rstrip("a"))
         return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable, wgmma_built)
 
     def ctas_per_sm(self, kernel: str, dynamic_smem: int, gpu: GpuSpec) -> int:

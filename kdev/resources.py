@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdev import cabi
-from kdev.config import BuildConfig
+from kdev.config import WGMMA_ARCH, BuildConfig
 from kdev.errors import CheckFailed
 
 
@@ -157,7 +157,7 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
             continue
         for portable in (False, True):
             for tensor_copy in ((True, False) if major >= 9 else (False,)):
-                k = ask(major, limit, tensor_copy, portable, wgmma_built=arch == "sm_90a")
+                k = ask(major, limit, tensor_copy, portable, wgmma_built=arch == WGMMA_ARCH)
                 call = (("flash-portable" if portable else "flash")
                         + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
                 for kernel, smem in ((k["full"], k["full_smem"]), (k["narrow"], k["narrow_smem"])):
