@@ -86,7 +86,9 @@ def test_a_command_in_a_subfolder_works_on_that_checkout_and_outside_one_says_so
 # --------------------------------------------------------------------------------------------- kills
 def test_sigterm_during_gen_refs_leaves_nothing(tmp_path):
     out = tmp_path / "vec"
-    p = kdev("gen-refs", "--suite", "smoke", "--out", str(out))
+    # the full suite takes tens of seconds on a CPU: the signal lands mid-run even where a loaded machine is slow to see
+    # the temp folder (the smoke suite's second or two could end first)
+    p = kdev("gen-refs", "--suite", "full", "--out", str(out))
     deadline = time.time() + 60
     while time.time() < deadline and not (out.is_dir() and any(out.iterdir())):
         time.sleep(0.05)
