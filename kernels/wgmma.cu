@@ -1,6 +1,6 @@
 // wgmma on this GPU: the rung of the ceilings that prices it, and a check of the operand layouts the Hopper verify
 // kernel is built from (kernels/include/kdev/wgmma.cuh). Both need a library built for sm_90a (kdev build --arch
-// sm_90a): elsewhere they answer KDTREE_ERR_UNSUPPORTED, found by asking the loaded code itself.
+// sm_90a): elsewhere they answer KDTREE_ERR_UNSUPPORTED, found as the flash call finds it (kdtree::flash_wgmma_built).
 //
 // The rung (kdtree_bench_wgmma_peak): one CTA per SM of two warpgroups, each issuing m64n256k16 wgmmas back to back
 // from its own A [64 x 64] and B [256 x 64] tiles in shared memory (K-major, 128-byte swizzle), one commit group of
@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kdev/kdtree.h"
+#include "kdev/verify_attn.cuh"
 #include "kdev/wgmma.cuh"
 
 namespace {
@@ -37,9 +38,6 @@ __device__ __forceinline__ uint32_t aligned_base(unsigned char* smem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   return (addr + 1023u) & ~1023u;
 }
-
-// 1 where the code loaded for this GPU has wgmma (an sm_90a build on an sm_90 GPU), else 0.
-__global__ void wgmma_built_kernel(float* flag) { *flag = KDTREE_HAS_WGMMA; }
 
 __global__ void __launch_bounds__(kPeakThreads, 1) wgmma_peak_kernel(int iters, float* sink) {
 #if KDTREE_HAS_WGMMA
@@ -144,17 +142,12 @@ __global__ void __launch_bounds__(128, 1) wgmma_check_kernel(const __nv_bfloat16
 #endif
 }
 
-// KDTREE_OK where the code loaded for the current GPU has wgmma; KDTREE_ERR_UNSUPPORTED where it has not, or where the
-// library has no code for this GPU at all. `scratch`: 4 bytes of device memory, overwritten. Synchronises `stream`.
-int wgmma_available(float* scratch, cudaStream_t stream) {
-  wgmma_built_kernel<<<1, 1, 0, stream>>>(scratch);
-  cudaError_t err = cudaGetLastError();
-  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) return KDTREE_ERR_UNSUPPORTED;
-  float flag = 0.f;
-  if (err == cudaSuccess) err = cudaMemcpyAsync(&flag, scratch, sizeof flag, cudaMemcpyDeviceToHost, stream);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-  if (err != cudaSuccess) return KDTREE_ERR_CUDA;
-  return flag == 1.f ? KDTREE_OK : KDTREE_ERR_UNSUPPORTED;
+// KDTREE_OK where the code loaded for the current GPU has wgmma (the flash call's own question: one build compiles
+// every wgmma body or none); KDTREE_ERR_UNSUPPORTED where it has not, or where the library has no code for this GPU.
+int wgmma_available() {
+  bool built = false;
+  if (kdtree::flash_wgmma_built(&built) != cudaSuccess) return KDTREE_ERR_CUDA;
+  return built ? KDTREE_OK : KDTREE_ERR_UNSUPPORTED;
 }
 
 }  // namespace
@@ -163,11 +156,10 @@ extern "C" {
 
 // Launch `blocks` CTAs (one per SM: the dynamic shared memory is sized so that no second fits) of two warpgroups, each
 // issuing iters * 4 m64n256k16 wgmmas. FLOPs done = blocks * 2 * iters * 4 * 524,288. `sink`: 256 floats of device
-// memory (the first is overwritten by the availability check). KDTREE_ERR_UNSUPPORTED: no wgmma in the code loaded
-// for this GPU (not an sm_90a build, or not an sm_90 GPU).
+// memory. KDTREE_ERR_UNSUPPORTED: no wgmma in the code loaded for this GPU (not an sm_90a build, or not an sm_90 GPU).
 int kdtree_bench_wgmma_peak(int blocks, int iters, float* sink, cudaStream_t stream) {
   if (blocks < 1 || iters < 1 || sink == nullptr) return KDTREE_ERR_INVALID;
-  if (int st = wgmma_available(sink, stream)) return st;
+  if (int st = wgmma_available()) return st;
   int dev = 0, per_sm = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess)
@@ -180,12 +172,12 @@ int kdtree_bench_wgmma_peak(int blocks, int iters, float* sink, cudaStream_t str
 }
 
 // S = Q K^T [64 x 64] and O = bf16(S) V [64 x 512] (fp32, row-major) for q and kv [64 x 576] bf16 row-major, 16-byte
-// aligned device memory, by the wgmma primitives (this file's header). Synchronises `stream` (the availability check
-// first, in s). KDTREE_ERR_UNSUPPORTED as kdtree_bench_wgmma_peak.
+// aligned device memory, by the wgmma primitives (this file's header). KDTREE_ERR_UNSUPPORTED as
+// kdtree_bench_wgmma_peak.
 int kdtree_bench_wgmma_check(const void* q, const void* kv, float* s, float* o, cudaStream_t stream) {
   if (q == nullptr || kv == nullptr || s == nullptr || o == nullptr) return KDTREE_ERR_INVALID;
   if (reinterpret_cast<uintptr_t>(q) % 16 || reinterpret_cast<uintptr_t>(kv) % 16) return KDTREE_ERR_INVALID;
-  if (int st = wgmma_available(s, stream)) return st;
+  if (int st = wgmma_available()) return st;
   if (cudaFuncSetAttribute(wgmma_check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCheckSmemBytes) !=
       cudaSuccess)
     return KDTREE_ERR_CUDA;

@@ -102,7 +102,7 @@ def measure_wgmma_peak(lib, device) -> float | None:
     stream = torch.cuda.current_stream()
     blocks, iters = sms, 4096
 
-    def timed(n: int) -> float:  # seconds; each call first asks the GPU whether its code has wgmma (a round trip)
+    def timed(n: int) -> float:  # seconds, launch included
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         st = L.kdtree_bench_wgmma_peak(blocks, n, ctypes.c_void_p(sink.data_ptr()), ctypes.c_void_p(stream.cuda_stream))
@@ -117,7 +117,7 @@ def measure_wgmma_peak(lib, device) -> float | None:
     if timed(1) < 0:
         return None
     best = 0.0
-    for _ in range(5):  # the difference of two lengths: the round trip each call makes cancels
+    for _ in range(5):  # the difference of two lengths: the launch each call makes cancels
         t1, t2 = timed(iters), timed(2 * iters)
         if t2 > t1:
             best = max(best, blocks * iters * WGMMA_FLOPS_PER_CTA_ITER / (t2 - t1))
