@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One whole GPU round in one command: build for this GPU's arch (sm_90 on an H200, sm_120 on an RTX PRO 6000: read
-# from nvidia-smi's compute capability, GPU_ARCH=sm_NN to name it; GPU_ARCH=sm_90a: the flash call by wgmma, that
-# library every step's) and its SASS schedule
+# One whole GPU round in one command: build for this GPU's arch (sm_90a on an H100 or H200: the flash call by wgmma,
+# sm_120 on an RTX PRO 6000: read from nvidia-smi's compute capability, GPU_ARCH=sm_NN to name it; an arch-specific
+# build is every step's library) and its SASS schedule
 # (kdev sass, into round.log), the GPU tests (and the triton peer's, compiled here), kdev verify on the smoke suite
 # and a fuzz run (each followed by flash-portable alone with the deploy target's split plan, kdev verify --plan-gpu:
 # the target's kernels and grids), and a short bench beside the launch plan of its shapes on this GPU (kdev plan,
@@ -68,11 +68,13 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# this GPU's arch for every build of the round: compute capability 9.0 -> sm_90, 12.0 -> sm_120 (the first GPU's)
+# this GPU's arch for every build of the round: compute capability 9.0 -> sm_90a (the flash call by wgmma, as
+# build.yaml's default), 12.0 -> sm_120 (the first GPU's); GPU_ARCH=sm_90 times the mma.sync kernels alone
 ARCH="${GPU_ARCH:-}"
 if [ -z "$ARCH" ]; then
   cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' ')"
   if [[ "$cc" =~ ^([0-9]+)\.([0-9])$ ]]; then ARCH="sm_${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; else ARCH=sm_90; fi
+  [ "$ARCH" != sm_90 ] || ARCH=sm_90a
 fi
 [[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0
@@ -193,7 +195,7 @@ TREE_LIB=""
 if [ "${RC[build]}" = 0 ]; then
   { echo "=== sass: python3 -m kdev sass --arch $ARCH"; python3 -m kdev sass --arch "$ARCH" 2>&1; } | tee -a "$LOG" | tail -n 12
   TREE_LIB="$(python3 -c 'from kdev.build import latest_library; print(latest_library() or "")' 2>/dev/null)"
-  # an arch-specific build (GPU_ARCH=sm_90a: the flash call by wgmma) is the library of every later step, the GPU
+  # an arch-specific build (sm_90a: the flash call by wgmma) is the library of every later step, the GPU
   # tests' too (tests/gpu/conftest.py takes KDEV_LIB)
   if [[ "$ARCH" == *a ]]; then
     KDEV_LIB="$(python3 -c 'import sys; from kdev.build import latest_library; print(latest_library(archs=[sys.argv[1]]) or "")' "$ARCH" 2>/dev/null)"

@@ -108,7 +108,7 @@ def test_a_library_not_built_is_environment_and_one_named_wrongly_is_bad_input(t
     from kdev.errors import BadInput, EnvironmentMissing
 
     monkeypatch.setattr(abi.kbuild, "latest_library", lambda *a: None)
-    with pytest.raises(EnvironmentMissing, match=r"no library of sm_90, sm_120 built .*an --arch build is not"):
+    with pytest.raises(EnvironmentMissing, match=r"no library of sm_90a, sm_120 built .*an --arch build is not"):
         abi.Library()
     with pytest.raises(BadInput, match="no such library"):
         abi.Library(tmp_path / "nope.so")

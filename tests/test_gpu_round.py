@@ -342,11 +342,13 @@ def test_an_ab_round_also_times_both_libraries_in_one_bench_run(tmp_path):
                        "flash-portable@/base/libkdtree.so,naive") == 1
 
 
-@pytest.mark.parametrize("compute_cap, env_arch, arch", [("9.0", None, "sm_90"), ("12.0", None, "sm_120"),
-                                                         ("12.0", "sm_90", "sm_90"), ("", None, "sm_90")])
+@pytest.mark.parametrize("compute_cap, env_arch, arch", [("9.0", None, "sm_90a"), ("12.0", None, "sm_120"),
+                                                         ("9.0", "sm_90", "sm_90"), ("12.0", "sm_90", "sm_90"),
+                                                         ("", None, "sm_90a")])
 def test_a_round_builds_for_the_gpu_it_runs_on(tmp_path, compute_cap, env_arch, arch):
     """The round's builds (the tree, an A/B base) and its SASS tables take the GPU's arch from nvidia-smi's compute
-    capability, GPU_ARCH overriding it; where nvidia-smi says nothing usable, sm_90 (the H200)."""
+    capability, GPU_ARCH overriding it: a Hopper GPU gets sm_90a (the flash call by wgmma, as build.yaml's default),
+    GPU_ARCH=sm_90 the mma.sync kernels alone; where nvidia-smi says nothing usable, sm_90a (Hopper)."""
     base = _ab_base(tmp_path)
     _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--ab", str(base)], compute_cap,
                           {"GPU_ARCH": env_arch} if env_arch else None)

@@ -1,6 +1,6 @@
 // The wgmma kernel: the full row tiles by warpgroup MMA from shared memory (sm_90a; kdtree_verify_attn_flash_wgmma).
 // Part of verify_attn_flash.cu's translation unit (included there, in this order); its header comment says what every
-// flash kernel computes. Off the default dispatch until a GPU round has verified it (kernels/NOTES.md).
+// flash kernel computes. The flash call runs it on Hopper from a library built for sm_90a (docs/kernels.md).
 #pragma once
 
 #include "common.cuh"
