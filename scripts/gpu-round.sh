@@ -212,9 +212,13 @@ fi
 step verify-smoke python3 -m kdev verify --suite smoke --kernel "$VERIFY_KERNELS" --repeat 3 --out-json "$OUT/verify-smoke.json"
 step verify-smoke-target-plan python3 -m kdev verify --suite smoke --kernel flash-portable --plan-gpu "$TARGET_GPU" --repeat 2
 if [ "$SANITIZE" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  # the field report's sanitizer cases (kdev/field_report.py: SANITIZER_CASES)
+  mapfile -t SAN_CASES < <(python3 -c 'from kdev.field_report import SANITIZER_CASES as c; print("\n".join(c))')
+  SAN_ARGS=()
+  for c in "${SAN_CASES[@]}"; do SAN_ARGS+=(--case "$c"); done
   for tool in memcheck racecheck; do
     step "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -m kdev verify --suite smoke \
-      --case ddtree-n16 --case ragged-ddtree --kernel "$VERIFY_KERNELS"
+      "${SAN_ARGS[@]}" --kernel "$VERIFY_KERNELS"
   done
 fi
 step ceilings python3 -m kdev bench --ceilings

@@ -3,6 +3,8 @@ NVML summary, a failing step, the write rules, and the round trip through `kdev 
 
 import json
 import types
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -40,6 +42,8 @@ def test_a_report_holds_every_step_and_the_clocks_during_them(tmp_path, monkeypa
                      "sanitizer-synccheck"]
     assert seen[0].argv[:3] == ("build", "--arch", "sm_120") and "50" in seen[4].argv
     assert seen[5].wrapper[0] == "/usr/bin/compute-sanitizer" and "racecheck" in seen[6].wrapper
+    for step in seen[5:]:  # the sanitizers on their few cases, not the whole suite (racecheck over it takes minutes)
+        assert [step.argv[i + 1] for i, a in enumerate(step.argv) if a == "--case"] == list(fr.SANITIZER_CASES)
     assert "page_size=1,64" in seen[3].argv and doc["bench"] == bench_doc() and doc["complete"]
     assert doc["nvml"]["samples"] >= 1 and doc["nvml"]["sm_clock_mhz"]["median"] == 2400
     assert doc["nvml"]["power_w"]["max"] == 450 and doc["nvml"]["clock_events"] == ["SwPowerCap"]
@@ -110,3 +114,11 @@ def test_the_bench_step_keeps_its_rows_for_the_calibration(monkeypatch):
     by_name = {s.name: s for s in fr.steps("sm_120", 5, "smoke", "compute-sanitizer")}
     assert fr.run_step(by_name["bench"])["doc"] == bench_doc()
     assert "results" not in fr.run_step(by_name["fuzz"])["doc"]
+
+
+def test_the_sanitizer_cases_are_smoke_cases():
+    import yaml
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parents[1] / "vectors" / "smoke" / "manifest.yaml").read_text())
+    names = {case["name"] for case in manifest["cases"]}
+    assert set(fr.SANITIZER_CASES) <= names, set(fr.SANITIZER_CASES) - names

@@ -300,10 +300,14 @@ def _dry_round(tmp_path, args, compute_cap="", env=None):
     with a library path) and nvidia-smi (answers the compute capability query with `compute_cap`). (result, calls)"""
     fake = tmp_path / "bin"
     fake.mkdir()
+    # the question for the sanitizer cases is answered by kdev itself (the real interpreter, this checkout)
     (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
+                                  f'[[ "$1" = -c && "$2" == *SANITIZER_CASES* ]] && PYTHONPATH={SCRIPT.parents[1]} '
+                                  f'exec {sys.executable} "$@"\n'
                                   '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
     (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
                                      'echo fake-gpu\n')
+    (fake / "compute-sanitizer").write_text('#!/bin/bash\necho "compute-sanitizer $*" >> "$FAKE_LOG"\nexit 0\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     log = tmp_path / "calls.log"
@@ -318,6 +322,18 @@ def _ab_base(tmp_path):
     base = tmp_path / "ab-base" / "kernels"
     (base / "include").mkdir(parents=True)
     return base
+
+
+def test_the_sanitizers_run_the_field_reports_cases(tmp_path):
+    """--sanitize: memcheck and racecheck on the sanitizer cases kdev names once (kdev/field_report.py), not the
+    whole smoke suite, whose racecheck alone takes minutes."""
+    from kdev.field_report import SANITIZER_CASES
+
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "smoke", "--sanitize"])
+    cases = " ".join(f"--case {c}" for c in SANITIZER_CASES)
+    sanitized = [c for c in calls if c.startswith("compute-sanitizer")]
+    assert [c.split()[2] for c in sanitized] == ["memcheck", "racecheck"]
+    assert all(f"python3 -m kdev verify --suite smoke {cases} --kernel " in c for c in sanitized), sanitized
 
 
 def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
