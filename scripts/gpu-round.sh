@@ -12,10 +12,12 @@
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
 #                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
 #                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
-#                               [--timeline SHAPE]... [--step-timeout SECONDS] [--graph]
+#                               [--timeline SHAPE]... [--step-timeout SECONDS] [--graph] [--axis NAME=V1,V2]...
 # --backend LIST names the backends of the bench steps; triton among them is timed in a step of its own, beside
 # flash-portable, its table in round.log (below: a Triton fault would otherwise take the sweep's timings with it).
 # --graph: each sweep's backends are also timed as CUDA-graph replays (kdev bench --graph), the table in round.log.
+# --axis page_size=1,64 (repeatable): every bench step of a sweep (the plain one, the A/B, the variants, the kernel
+# times) varies that axis over its shapes (kdev bench -a).
 # Every step runs under a time limit (--step-timeout, default 600 s): a kernel that never finishes (a barrier
 # deadlock) ends its step with "timed out" instead of holding the machine, and the steps after it are
 # skipped, since they would launch the same kernel.
@@ -79,14 +81,14 @@ fi
 [[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
-VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE=
+VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE= AXIS_ARGS=()
 VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
 # the deploy target (configs/gpus.yaml): flash-portable is also verified with its split plan (kdev verify --plan-gpu)
 TARGET_GPU=rtx-pro-6000
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
     --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
-    --variants|--variant-patch|--timeline|--step-timeout)
+    --variants|--variant-patch|--timeline|--step-timeout|--axis)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -110,6 +112,7 @@ while [ $# -gt 0 ]; do
     --timeline) TIMELINES+=("$2"); shift 2 ;;
     --step-timeout) STEP_TIMEOUT="$2"; shift 2 ;;
     --graph) GRAPH=1; shift ;;
+    --axis) AXIS_ARGS+=(-a "$2"); shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -181,7 +184,7 @@ kernel_times() {  # kernel_times NAME [BENCH ARGS...]: ncu GPU times of one benc
   local csv_path; csv_path="$(mktemp -d)/$name.csv"  # one row per launch: only the summary comes back
   step "$name" ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --kernel-name 'regex:verify_attn_(flash|combine)' --log-file "$csv_path" \
-    python3 -m kdev bench --sweep "$KERNEL_TIMES" --backend flash "$@"
+    python3 -m kdev bench --sweep "$KERNEL_TIMES" "${AXIS_ARGS[@]}" --backend flash "$@"
   python3 scripts/kernel_times.py "$csv_path" > "$OUT/$name.txt" 2>&1
   tail -n 30 "$OUT/$name.txt"
 }
@@ -227,14 +230,14 @@ for sw in ${SWEEP//,/ }; do
   # informational like the sass table
   { echo "=== plan: python3 -m kdev plan --sweep $sw"; python3 -m kdev plan --sweep "$sw" 2>&1; } | tee -a "$LOG" | tail -n 14
   if [ -n "$BACKENDS" ] || [ "$PEER_TRITON" = 0 ]; then
-    step "bench-$sw" python3 -m kdev bench --sweep "$sw" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
+    step "bench-$sw" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --out-json "$OUT/bench-$sw.json" --csv "$OUT/bench-$sw.csv" \
       ${BASELINE:+--baseline "$BASELINE"} ${BACKENDS:+--backend "$BACKENDS"} ${BASELINE:+${NORMALIZE:+--normalize-by "$NORMALIZE"}}
   fi
   if [ "$PEER_TRITON" = 1 ]; then  # its table goes to round.log (the files a round returns are few)
-    step "bench-$sw-triton" python3 -m kdev bench --sweep "$sw" --backend flash-portable,triton
+    step "bench-$sw-triton" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --backend flash-portable,triton
   fi
   if [ "$GRAPH" = 1 ]; then  # the same backends timed as CUDA-graph replays (how a server runs decode), into round.log
-    step "bench-$sw-graph" python3 -m kdev bench --sweep "$sw" --graph ${BACKENDS:+--backend "$BACKENDS"}
+    step "bench-$sw-graph" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --graph ${BACKENDS:+--backend "$BACKENDS"}
   fi
 done
 if [ -n "$AB_KERNELS" ]; then
@@ -245,9 +248,9 @@ if [ -n "$AB_KERNELS" ]; then
   for sw in ${SWEEP//,/ }; do
     [ -n "$AB_LIB" ] || break
     for pair in 1 2; do
-      step "ab-$sw-base-$pair" python3 -m kdev bench --library "$AB_LIB" --sweep "$sw" --out-json "$ab_dir/base-$sw-$pair.json" \
+      step "ab-$sw-base-$pair" python3 -m kdev bench --library "$AB_LIB" --sweep "$sw" "${AXIS_ARGS[@]}" --out-json "$ab_dir/base-$sw-$pair.json" \
         ${BACKENDS:+--backend "$BACKENDS"}
-      step "ab-$sw-cand-$pair" python3 -m kdev bench --sweep "$sw" --out-json "$ab_dir/cand-$sw-$pair.json" \
+      step "ab-$sw-cand-$pair" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --out-json "$ab_dir/cand-$sw-$pair.json" \
         --baseline "$ab_dir/base-$sw-$pair.json" ${BACKENDS:+--backend "$BACKENDS"} ${NORMALIZE:+--normalize-by "$NORMALIZE"}
     done
     python3 scripts/ab_summary.py ${NORMALIZE:+--normalize-by "$NORMALIZE"} "$ab_dir/base-$sw-1.json" "$ab_dir/cand-$sw-1.json" \
@@ -260,7 +263,7 @@ if [ -n "$AB_KERNELS" ]; then
     for b in "${ab_backends[@]}"; do
       case "$b" in flash|flash-portable) one_run+="$b,$b@$AB_LIB," ;; naive) one_run+="naive," ;; esac
     done
-    [ -z "$one_run" ] || step "ab-$sw-one-run" python3 -m kdev bench --sweep "$sw" --backend "${one_run%,}"
+    [ -z "$one_run" ] || step "ab-$sw-one-run" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --backend "${one_run%,}"
   done
 fi
 if [ ${#VARIANTS[@]} -gt 0 ]; then
@@ -276,16 +279,16 @@ if [ ${#VARIANTS[@]} -gt 0 ]; then
       --kernel "flash,flash@$1" && python3 -m kdev verify --fuzz 20 --kernel "flash,flash@$1"' _ "$BUILT_LIB"
   done
   for sw in ${SWEEP//,/ }; do
-    step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}
+    step "variants-$sw-tree-1" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --out-json "$var_dir/tree-$sw-1.json" ${BACKENDS:+--backend "$BACKENDS"}
     timed=()
     for name in "${!VARIANT_LIB[@]}"; do
-      step "variants-$sw-$name" python3 -m kdev bench --library "${VARIANT_LIB[$name]}" --sweep "$sw" \
+      step "variants-$sw-$name" python3 -m kdev bench --library "${VARIANT_LIB[$name]}" --sweep "$sw" "${AXIS_ARGS[@]}" \
         --out-json "$var_dir/$name-$sw.json" ${BACKENDS:+--backend "$BACKENDS"}
       # a build that failed its resource gate (spills) still wrote a library: timed, and named so in the summary
       label="$name"; [ "${RC[variant-build-$name]}" = 0 ] || label="$name-gatefail"
       [ "${RC[variants-$sw-$name]}" != 0 ] || timed+=("$label=$var_dir/$name-$sw.json")
     done
-    step "variants-$sw-tree-2" python3 -m kdev bench --sweep "$sw" --out-json "$var_dir/tree-$sw-2.json" ${BACKENDS:+--backend "$BACKENDS"}
+    step "variants-$sw-tree-2" python3 -m kdev bench --sweep "$sw" "${AXIS_ARGS[@]}" --out-json "$var_dir/tree-$sw-2.json" ${BACKENDS:+--backend "$BACKENDS"}
     python3 scripts/variants_summary.py "$var_dir/tree-$sw-1.json" "$var_dir/tree-$sw-2.json" "${timed[@]}" \
       > "$OUT/variants-$sw.txt" 2>&1
     tee -a "$LOG" < "$OUT/variants-$sw.txt"

@@ -336,6 +336,15 @@ def test_the_sanitizers_run_the_field_reports_cases(tmp_path):
     assert all(f"python3 -m kdev verify --suite smoke {cases} --kernel " in c for c in sanitized), sanitized
 
 
+def test_an_axis_reaches_every_bench_step_of_a_sweep(tmp_path):
+    """--axis page_size=1,64: the plain bench, the A/B pairs and their one-run table all vary the page size."""
+    _, calls = _dry_round(tmp_path, ["--skip-tests", "--fuzz", "0", "--sweep", "targets", "--backend", "flash",
+                                     "--ab", str(_ab_base(tmp_path)), "--axis", "page_size=1,64"])
+    benches = [c for c in calls if c.startswith("python3 -m kdev bench --") and "--sweep targets" in c]
+    assert len(benches) == 6, benches  # the plain step, two pairs, the one-run table
+    assert all(" --sweep targets -a page_size=1,64 " in c for c in benches), benches
+
+
 def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
     """A dry round: the triton peer's tests and its bench run in processes of their own, so a fault in a Triton kernel
     cannot lose the flash kernels' tests or timings."""
