@@ -12,6 +12,7 @@ build is the base, and REF's change is what is judged.
 from __future__ import annotations
 
 from kdev import abi, bench
+from kdev import build as kbuild
 from kdev import refs
 from kdev.errors import BadInput, EnvironmentMissing
 
@@ -55,6 +56,16 @@ def verify_summary(run, kernel: str, base: str) -> dict:
             "failures": run.record["failures"][:5], "ledger": str(run.ledger_path) if run.ledger_path else None}
 
 
+def _shared_arch(base_lib, cand_lib, gpu_arch: str) -> str:
+    """The arch whose machine code both libraries hold for this GPU (sm_90a where both were built for it), else the one
+    a build for this GPU targets (the comparison then says which library lacks it)."""
+    base = base_lib.build_info.get("archs", [])
+    for arch in cand_lib.build_info.get("archs", []):
+        if arch in base and kbuild.runs_on([arch], gpu_arch):
+            return arch
+    return kbuild.build_arch_for(gpu_arch)
+
+
 def verdicts(results: list[dict], kernels: list[str], ref: str, min_change: float,
              ref_is_candidate: bool = False) -> list[dict]:
     """Per shape and kernel, the candidate's median against the base's from the same run (this build against the
@@ -85,7 +96,8 @@ def run_ab(ref: str, kernels: list[str], shapes: list, cfg, lib_path=None, fuzz:
            "gpu": gpu.current_gpu().to_dict(),
            "base": {"library": str(base_lib.path), "source_hash": base_lib.build_info.get("source_hash")},
            "candidate": {"library": str(cand_lib.path), "source_hash": cand_lib.build_info.get("source_hash")},
-           "sass": sass_summary(base_lib.path, cand_lib.path, gpu.current_arch()), "verify": []}
+           "sass": sass_summary(base_lib.path, cand_lib.path, _shared_arch(base_lib, cand_lib, gpu.current_arch())),
+           "verify": []}
     for k, other in zip(kernels, names):
         base, cand = (k, other) if ref_is_candidate else (other, k)  # verify compares the second with the first
         run = verify.run_suite("smoke", [base, cand], lib_path=lib.path, log=log)

@@ -274,17 +274,17 @@ class Library:
 
 
 def load_library(path: str | Path | None = None, log=None) -> Library:
-    """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of this GPU's arch alone,
-    else of its arch-specific form: --arch sm_90a on an sm_90 GPU) if it is current and has code for this GPU, else a
-    build for this GPU's arch (a cache hit when nothing changed)."""
+    """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of the arch a build for this
+    GPU targets (kbuild.build_arch_for: sm_90a on an sm_90 GPU), else of this GPU's arch alone) if it is current and has
+    code for this GPU, else a build for that arch (a cache hit when nothing changed)."""
     from kdev import gpu
     from kdev.errors import CheckFailed
 
     if path:
         return Library(path)
     here = gpu.current_arch()
-    for latest in (kbuild.latest_library(), kbuild.latest_library(archs=[here]),
-                   kbuild.latest_library(archs=[f"{here}a"])):
+    target = kbuild.build_arch_for(here)
+    for latest in (kbuild.latest_library(), kbuild.latest_library(archs=[target]), kbuild.latest_library(archs=[here])):
         if latest is None:
             continue
         with warnings.catch_warnings():
@@ -292,7 +292,7 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
             lib = Library(latest)
         if not lib.stale and kbuild.runs_on(lib.build_info.get("archs", []), gpu.current_arch()):
             return lib
-    res = kbuild.build(config.load_build(None, [gpu.current_arch()]), log=log)
+    res = kbuild.build(config.load_build(None, [target]), log=log)
     if res.problems:
         raise CheckFailed(f"kdev build failed its resource gate: {res.problems[0]}")
     return Library(res.library)
@@ -335,7 +335,7 @@ def load_kernel_refs(names: list[str], plan_sms: int = 0, arch: str | None = Non
             if build_arch is None:
                 from kdev import gpu
 
-                build_arch = gpu.current_arch()
+                build_arch = kbuild.build_arch_for(gpu.current_arch())  # built as this checkout's library is
                 if kernel in WGMMA_KERNELS and kbuild.runs_on([config.WGMMA_ARCH], build_arch):
                     build_arch = config.WGMMA_ARCH
             res = refs.library_for(ref, [build_arch], log)

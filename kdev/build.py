@@ -330,6 +330,18 @@ def runs_on(archs, gpu_arch: str) -> bool:
     return gpu_arch in archs or f"{gpu_arch}a" in archs
 
 
+def build_arch_for(gpu_arch: str) -> str:
+    """The arch a build for one GPU of `gpu_arch` targets: the arch-specific form (sm_90a for an sm_90 GPU) where
+    build.yaml's archs name it, as the default library then runs kernels only that form holds (the flash call's wgmma
+    kernel, docs/kernels.md), so a one-GPU build, a KERNEL@REF base and a field report run what `kdev build` ships;
+    else the GPU's own arch."""
+    try:
+        archs = load_build(None).default_archs
+    except KdevError:
+        return gpu_arch
+    return f"{gpu_arch}a" if f"{gpu_arch}a" in archs else gpu_arch
+
+
 def latest_record(archs) -> str:
     """The record naming the last good build of one arch set: latest-sm_90-sm_120.json."""
     return f"latest-{'-'.join(archs)}.json"

@@ -1,12 +1,12 @@
 """kdev field-report: one command a user with any GPU runs, and one JSON file to send back.
 
-It builds the library for this GPU's arch, verifies the smoke suite and a fuzz run, runs the sanitizers on three smoke
-cases of the flash kernels, measures the ceilings (the mma.sync peak and every rung of the flash loop ladder: the shared
-memory, copy and L2 rungs), and times the bench targets at page sizes 1 and 64, sampling NVML's SM clock, power, power
-limit, temperature and clock-event reasons all along. Each step is `python -m kdev ...` in a process of its own (a
-fault in one does not take the others), its JSON document kept whole; a step that fails is recorded with its exit code
-and the last lines it wrote. `kdev plan --project --calibrate FILE` takes the file as a calibration point
-(docs/projection.md).
+It builds the library `kdev build` would make for this GPU's arch (sm_90a on Hopper), verifies the smoke suite and a
+fuzz run, runs the sanitizers on three smoke cases of the flash kernels, measures the ceilings (the mma.sync peak and
+every rung of the flash loop ladder: the shared memory, copy and L2 rungs), and times the bench targets at page sizes 1
+and 64, sampling NVML's SM clock, power, power limit, temperature and clock-event reasons all along. Each step is
+`python -m kdev ...` in a process of its own (a fault in one does not take the others), its JSON document kept whole; a
+step that fails is recorded with its exit code and the last lines it wrote. `kdev plan --project --calibrate FILE` takes
+the file as a calibration point (docs/projection.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdev import build as kbuild
 from kdev import gpu as kgpu
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import atomic_write_bytes
@@ -185,7 +186,8 @@ def collect(out: Path, fuzz: int = 200, sweep: str = "targets", force: bool = Fa
     out.parent.mkdir(parents=True, exist_ok=True)
     with NvmlSampler(nvml, handle) as sampler:
         # the file is rewritten after every step, `complete` false until the last: a report cut short keeps its steps
-        for step in steps(ident["arch"], fuzz, sweep, sanitizer):
+        # the build `kdev build` would make for this GPU (sm_90a on Hopper: the flash call by wgmma)
+        for step in steps(kbuild.build_arch_for(ident["arch"]), fuzz, sweep, sanitizer):
             result = runner(step)
             progress(step, result)
             doc[step.name] = result.pop("doc")

@@ -70,13 +70,15 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# this GPU's arch for every build of the round: compute capability 9.0 -> sm_90a (the flash call by wgmma, as
-# build.yaml's default), 12.0 -> sm_120 (the first GPU's); GPU_ARCH=sm_90 times the mma.sync kernels alone
+# this GPU's arch for every build of the round: compute capability 9.0 -> sm_90 -> the arch `kdev build` targets for
+# it (kdev/build.py, build_arch_for: sm_90a, the flash call by wgmma), 12.0 -> sm_120 (the first GPU's); GPU_ARCH=sm_90
+# times the mma.sync kernels alone
 ARCH="${GPU_ARCH:-}"
 if [ -z "$ARCH" ]; then
   cc="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' ')"
   if [[ "$cc" =~ ^([0-9]+)\.([0-9])$ ]]; then ARCH="sm_${BASH_REMATCH[1]}${BASH_REMATCH[2]}"; else ARCH=sm_90; fi
-  [ "$ARCH" != sm_90 ] || ARCH=sm_90a
+  target="$(python3 -c 'import sys; from kdev.build import build_arch_for; print(build_arch_for(sys.argv[1]))' "$ARCH" \
+    2>/dev/null)" && [ -n "$target" ] && ARCH="$target"
 fi
 [[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0

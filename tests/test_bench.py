@@ -1,6 +1,7 @@
 """bench without a GPU: FLOP and byte counts, sweep expansion and overrides, baseline verdicts and exit code,
 plots and CSV from a stored result."""
 
+import dataclasses
 import json
 import types
 
@@ -385,8 +386,11 @@ def test_kernel_refs_load_each_library_once_and_refuse_a_missing_entry_point(sm9
 
 def test_a_wgmma_kernel_of_another_tree_is_built_for_sm90a(monkeypatch, sm90_library):
     """flash-wgmma@REF on an sm_90 GPU: REF built with the arch-specific code that holds the wgmma kernel (an sm_90
-    build would only say unsupported); the other kernels of the same run keep the GPU's own arch."""
-    from kdev import gpu
+    build would only say unsupported); the other kernels of the same run are built as this checkout's library is
+    (build.yaml lists sm_90a: flash@REF is the Hopper flash call as shipped), or for the GPU's own arch where
+    build.yaml does not."""
+    from kdev import build as kbuild
+    from kdev import config, gpu
 
     asked = []
 
@@ -397,7 +401,13 @@ def test_a_wgmma_kernel_of_another_tree_is_built_for_sm90a(monkeypatch, sm90_lib
     monkeypatch.setattr(refs, "library_for", fake_library_for)
     monkeypatch.setattr(gpu, "current_arch", lambda: "sm_90")
     abi.load_kernel_refs(["flash-wgmma@variants/flash-v33-combine-rows.patch", "flash@HEAD"])
+    assert asked == [("variants/flash-v33-combine-rows.patch", ("sm_90a",)), ("HEAD", ("sm_90a",))]
+    asked.clear()
+    default = config.load_build(None)
+    monkeypatch.setattr(kbuild, "load_build", lambda *a: dataclasses.replace(default, default_archs=("sm_90", "sm_120")))
+    abi.load_kernel_refs(["flash-wgmma@variants/flash-v33-combine-rows.patch", "flash@HEAD"])
     assert asked == [("variants/flash-v33-combine-rows.patch", ("sm_90a",)), ("HEAD", ("sm_90",))]
+    assert kbuild.build_arch_for("sm_120") == "sm_120"
 
 
 def test_the_targets_sweep_carries_the_issue_targets_and_a_bad_one_is_refused(write_yaml):

@@ -297,13 +297,14 @@ def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
 
 def _dry_round(tmp_path, args, compute_cap="", env=None):
     """gpu-round.sh with stand-ins for python3 (logs its arguments; `python3 -c`, which reads a build record, answers
-    with a library path) and nvidia-smi (answers the compute capability query with `compute_cap`). (result, calls)"""
+    with a library path, but the questions for the sanitizer cases and the build arch, which kdev answers),
+    nvidia-smi (answers the compute capability query with `compute_cap`) and compute-sanitizer (logs its arguments).
+    (result, calls)"""
     fake = tmp_path / "bin"
     fake.mkdir()
-    # the question for the sanitizer cases is answered by kdev itself (the real interpreter, this checkout)
     (fake / "python3").write_text('#!/bin/bash\necho "python3 $*" >> "$FAKE_LOG"\n'
-                                  f'[[ "$1" = -c && "$2" == *SANITIZER_CASES* ]] && PYTHONPATH={SCRIPT.parents[1]} '
-                                  f'exec {sys.executable} "$@"\n'
+                                  '[[ "$1" = -c && ( "$2" == *SANITIZER_CASES* || "$2" == *build_arch_for* ) ]] && '
+                                  f'PYTHONPATH={SCRIPT.parents[1]} exec {sys.executable} "$@"\n'
                                   '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
     (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
                                      'echo fake-gpu\n')

@@ -99,7 +99,8 @@ def verify_cmd(
                                help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
                                     "flash call run by the kernels that fit sm_120's shared memory), flash-scheduled and "
                                     "flash-portable-scheduled (the same on the device schedule), flash-wgmma (the full "
-                                    "tiles by wgmma: a library built for sm_90a, --library); ddtree, accept, compact; "
+                                    "tiles by wgmma: a library built for sm_90a, the default on Hopper); ddtree, accept, "
+                                    "compact; "
                                     "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
                                     "revision, a .patch of kernels/), compared with the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
