@@ -30,6 +30,7 @@ def targets(**axes):
     return bench.expand(bench.load_bench(), "targets", None, [f"{k}={v}" for k, v in axes.items()])
 
 
+TARGETS = bench.expand(bench.load_bench(), "targets", None, None)  # the shapes a field report times (at two page sizes)
 RATES = P.Rates(clock_mhz=2000, tensor_flop_per_clk=2048, smem_bytes_per_clk=128, l2_bytes_per_clk=32,
                 dram_bytes_per_s=4e12, issue_per_clk=4, l2_bytes=50e6, sms=100)
 
@@ -131,7 +132,7 @@ def test_plan_project_prints_each_targets_range_and_bound_at_page_sizes_1_and_64
     doc = json.loads(r.stdout)
     assert doc["arch"] == "sm_120" and doc["fit"]["constants_from"] == "hopper"
     shapes = {s["shape"]: s for s in doc["shapes"]}
-    assert len(shapes) == 14 and {s["axes"]["page_size"] for s in shapes.values()} == {1, 64}
+    assert len(shapes) == 2 * len(TARGETS) and {s["axes"]["page_size"] for s in shapes.values()} == {1, 64}
     for s in shapes.values():
         assert 0 < s["low_us"] <= s["us"] <= s["high_us"], s["shape"]
         assert s["bound"] in ("tensor", "smem", "issue", "memory (L2)", "memory (DRAM)", "latency")
@@ -179,14 +180,15 @@ def synthetic_report(model, tmp_path, scale: float, fake_nvml):
 
 
 def test_a_field_report_round_trips_through_calibrate(model, both_archs, tmp_path, fake_nvml):
-    """A card 25 % slower than projected: the projection before is off by -20 % on its calls; once its 28 points join
-    the sm_120 family's fit (its own constants, no longer borrowed), it is off by ~0."""
+    """A card 25 % slower than projected: the projection before is off by -20 % on its calls; once its points (the
+    targets at two page sizes for two calls) join the sm_120 family's fit (its own constants, no longer borrowed), it is
+    off by ~0."""
     path = synthetic_report(model, tmp_path, 1.25, fake_nvml)
     r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--call", "flash-portable", "--project",
                                  "--calibrate", str(path), "--library", str(both_archs[1].library), "--json"])
     assert r.exit_code == 0, r.output
     (cal,) = json.loads(r.stdout)["calibrations"]
-    assert cal["family"] == "blackwell-sm120" and len(cal["before"]) == 28
+    assert cal["family"] == "blackwell-sm120" and len(cal["before"]) == 4 * len(TARGETS)
     # the report's clock (2,418 MHz) is the range's middle, where the projection is taken
     assert all(abs(b["error"] + 0.2) < 0.01 for b in cal["before"])
     assert cal["constants_after"]["family"] == "blackwell-sm120"
