@@ -10,7 +10,8 @@
 #   usage: scripts/gpu-round.sh [--fuzz N] [--sweep NAME[,NAME...]] [--baseline FILE] [--backend LIST]
 #                               [--normalize-by BACKEND] [--skip-tests] [--sanitize]
 #                               [--deploy-check | --deploy-only] [--profile SHAPE]... [--profile-loop NAME]...
-#                               [--profile-only] [--profile-kernel REGEX] [--kernel-times SWEEP] [--ab KERNELS_DIR]
+#                               [--profile-only] [--profile-kernel REGEX] [--profile-backend NAME]
+#                               [--kernel-times SWEEP] [--ab KERNELS_DIR]
 #                               [--variants KERNELS_DIR[,KERNELS_DIR...]] [--variant-patch FILE[,FILE...]]
 #                               [--timeline SHAPE]... [--step-timeout SECONDS] [--graph] [--axis NAME=V1,V2]...
 # --backend LIST names the backends of the bench steps; triton among them is timed in a step of its own, beside
@@ -24,8 +25,9 @@
 # --profile B=1,L=32768,N=64,H=8 (repeatable) ends the round with Nsight Compute on one flash launch at that
 # shape (full section set, clocks left alone); the report goes under $OUT as text: sections, raw metrics (CSV)
 # and the SASS with per-instruction counters (CSV); --profile-kernel picks which kernel of the call (a regex, default
-# verify_attn_flash_(teams_)?kernel: the full-tile kernel, lockstep or teams; verify_attn_flash_narrow_kernel for the
-# narrow last tiles).
+# verify_attn_flash_(teams_|wgmma_)?kernel: the full-tile kernel, lockstep, teams or wgmma;
+# verify_attn_flash_narrow_kernel for the narrow last tiles); --profile-backend the call (default flash;
+# flash-portable: the lockstep kernels at every page size, the sm_120 product's).
 # --profile-loop 'S+PV 8w +xchg +softmax +gather' (repeatable)
 # does the same for one rung of the flash loop ladder (`kdev bench --ceilings --loop NAME`; sections and raw
 # metrics in one text file, to stay within the files a round returns): two rungs one piece apart say what that
@@ -82,15 +84,15 @@ if [ -z "$ARCH" ]; then
 fi
 [[ "$ARCH" =~ ^sm_[0-9]{2,3}a?$ ]] || { echo "GPU_ARCH=$ARCH: not an arch (e.g. sm_90, sm_120)" >&2; exit 2; }
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0
-PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_)?kernel' STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
+PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_|wgmma_)?kernel' PROFILE_BACKEND=flash STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE= AXIS_ARGS=()
 VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
 # the deploy target (configs/gpus.yaml): flash-portable is also verified with its split plan (kdev verify --plan-gpu)
 TARGET_GPU=rtx-pro-6000
 while [ $# -gt 0 ]; do
   case "$1" in  # an option that takes a value and is given none is refused before anything runs
-    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--kernel-times|--ab|\
-    --variants|--variant-patch|--timeline|--step-timeout|--axis)
+    --fuzz|--sweep|--baseline|--backend|--normalize-by|--profile|--profile-loop|--profile-kernel|--profile-backend|\
+    --kernel-times|--ab|--variants|--variant-patch|--timeline|--step-timeout|--axis)
       [ $# -ge 2 ] || { echo "$1 takes a value" >&2; exit 2; } ;;
   esac
   case "$1" in
@@ -107,6 +109,7 @@ while [ $# -gt 0 ]; do
     --profile-loop) LOOP_PROFILES+=("$2"); shift 2 ;;
     --profile-only) ONLY_PROFILE=1; shift ;;
     --profile-kernel) PROFILE_KERNEL="$2"; shift 2 ;;
+    --profile-backend) PROFILE_BACKEND="$2"; shift 2 ;;
     --kernel-times) KERNEL_TIMES="$2"; shift 2 ;;
     --ab) AB_KERNELS="$2"; shift 2 ;;
     --variants) IFS=, read -ra more <<< "$2"; VARIANTS+=("${more[@]}"); shift 2 ;;
@@ -172,8 +175,8 @@ step() {  # step NAME CMD...: run under the step time limit, log, remember the e
     echo "--- $name: exit ${RC[$name]} after $((SECONDS - t0)) s" | tee -a "$LOG"
   fi
 }
-build_kernels() {  # build_kernels STEP KERNELS_DIR JSON: another kernels/ tree into its own library -> $BUILT_LIB
-  step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch "$3" --json > "$2"' _ "$2" "$3" "$ARCH"
+build_kernels() {  # build_kernels STEP KERNELS_DIR JSON [ARCH]: another kernels/ tree into its own library -> $BUILT_LIB
+  step "$1" bash -c 'python3 -m kdev build --kernels "$1" --arch "$3" --json > "$2"' _ "$2" "$3" "${4:-$ARCH}"
   BUILT_LIB="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["library"])' "$3" 2>/dev/null)"
 }
 sass_against() {  # sass_against LIBRARY BASE: which kernels' machine code for this arch differs from BASE's, into round.log
@@ -308,7 +311,7 @@ for shape in "${PROFILES[@]}"; do
   rep="$(mktemp -d)/$name"
   step "$name" ncu --clock-control none --set full --import-source no --kernel-name "regex:$PROFILE_KERNEL" \
     --launch-skip 2 --launch-count 1 -o "$rep" --log-file "$OUT/$name.log" \
-    python3 -m kdev bench --shape "$shape" --backend flash
+    python3 -m kdev bench --shape "$shape" --backend "$PROFILE_BACKEND"
   # the report as text: the sections, every raw metric (stall reasons per issued instruction among them),
   # and the SASS with per-instruction counters and stall samples
   ncu --import "$rep.ncu-rep" --print-details all > "$OUT/$name.txt" 2>&1
@@ -316,7 +319,8 @@ for shape in "${PROFILES[@]}"; do
   ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/$name-sass.csv" 2>&1 || true
 done
 if [ -n "$TIMELINE_TREE" ]; then
-  build_kernels timeline-build "$TIMELINE_TREE" "$(mktemp -d)/timeline-build.json"
+  # for the GPU's own arch (sm_90, not sm_90a): the probe is in the mma.sync kernels, the wgmma kernel carries none
+  build_kernels timeline-build "$TIMELINE_TREE" "$(mktemp -d)/timeline-build.json" "${ARCH%a}"
   for shape in "${TIMELINES[@]}"; do
     name="timeline-$(echo "$shape" | tr -d '=' | tr -c 'A-Za-z0-9\n' '_')"
     step "$name" bash -c 'set -o pipefail; python3 scripts/cta_timeline.py --library "$1" --shape "$2" | tee "$3"' \

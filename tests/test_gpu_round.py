@@ -46,8 +46,8 @@ def test_unknown_option_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "unknown option --fuz"
 
 
-@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--ab", "--variants",
-                                    "--variant-patch", "--timeline"])
+@pytest.mark.parametrize("option", ["--kernel-times", "--fuzz", "--profile", "--profile-kernel", "--profile-backend",
+                                    "--ab", "--variants", "--variant-patch", "--timeline", "--axis"])
 def test_an_option_without_its_value_is_refused(tmp_path, option):
     r = run(tmp_path, option)
     assert r.returncode == 2 and r.stderr.strip() == f"{option} takes a value"
@@ -298,7 +298,8 @@ def test_cta_timeline_refuses_bad_arguments_and_empty_records(tmp_path):
 def _dry_round(tmp_path, args, compute_cap="", env=None):
     """gpu-round.sh with stand-ins for python3 (logs its arguments; `python3 -c`, which reads a build record, answers
     with a library path, but the questions for the sanitizer cases and the build arch, which kdev answers),
-    nvidia-smi (answers the compute capability query with `compute_cap`) and compute-sanitizer (logs its arguments).
+    nvidia-smi (answers the compute capability query with `compute_cap`), compute-sanitizer and ncu (log their
+    arguments).
     (result, calls)"""
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -308,7 +309,8 @@ def _dry_round(tmp_path, args, compute_cap="", env=None):
                                   '[ "$1" = -c ] && echo /base/libkdtree.so\nexit 0\n')
     (fake / "nvidia-smi").write_text(f'#!/bin/bash\n[[ "$*" == *compute_cap* ]] && echo "{compute_cap}" && exit 0\n'
                                      'echo fake-gpu\n')
-    (fake / "compute-sanitizer").write_text('#!/bin/bash\necho "compute-sanitizer $*" >> "$FAKE_LOG"\nexit 0\n')
+    for tool in ("compute-sanitizer", "ncu"):
+        (fake / tool).write_text(f'#!/bin/bash\necho "{tool} $*" >> "$FAKE_LOG"\nexit 0\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     log = tmp_path / "calls.log"
@@ -344,6 +346,25 @@ def test_an_axis_reaches_every_bench_step_of_a_sweep(tmp_path):
     benches = [c for c in calls if c.startswith("python3 -m kdev bench --") and "--sweep targets" in c]
     assert len(benches) == 6, benches  # the plain step, two pairs, the one-run table
     assert all(" --sweep targets -a page_size=1,64 " in c for c in benches), benches
+
+
+def test_a_profile_takes_the_full_tile_kernel_of_the_call_named(tmp_path):
+    """--profile: Nsight Compute on the full-tile kernel of one call, whichever family runs it (the wgmma kernel in
+    an sm_90a build); --profile-backend flash-portable profiles the lockstep kernel the sm_120 product runs."""
+    _, calls = _dry_round(tmp_path, ["--profile-only", "--profile", "B=1,L=32768,N=64,H=8,page=1",
+                                     "--profile-backend", "flash-portable"], "9.0")
+    (profile,) = [c for c in calls if c.startswith("ncu --clock-control")]  # then its report read back as text
+    assert "--kernel-name regex:verify_attn_flash_(teams_|wgmma_)?kernel " in profile
+    assert profile.endswith("python3 -m kdev bench --shape B=1,L=32768,N=64,H=8,page=1 --backend flash-portable")
+
+
+def test_the_timeline_probe_is_built_for_the_mma_sync_kernels(tmp_path):
+    """--timeline on a Hopper GPU: the round builds sm_90a, the probe's tree sm_90 (its records come from the teams and
+    lockstep kernels; the flash call of an sm_90a build would run the wgmma kernel, which carries no probe)."""
+    _, calls = _dry_round(tmp_path, ["--profile-only", "--timeline", "B=16,L=8192,N=32,H=8"], "9.0")
+    assert "python3 -m kdev build --arch sm_90a" in calls
+    (probe,) = [c for c in calls if c.startswith("python3 -m kdev build --kernels")]
+    assert probe.endswith("--arch sm_90 --json"), probe
 
 
 def test_the_triton_peer_runs_in_steps_of_its_own(tmp_path):
