@@ -290,7 +290,7 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StaleLibraryWarning)
             lib = Library(latest)
-        if not lib.stale and kbuild.runs_on(lib.build_info.get("archs", []), gpu.current_arch()):
+        if not lib.stale and kbuild.runs_on(lib.build_info.get("archs", []), here):
             return lib
     res = kbuild.build(config.load_build(None, [target]), log=log)
     if res.problems:

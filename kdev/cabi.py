@@ -219,6 +219,13 @@ class LoadError(RuntimeError):
 ADDED_ARGUMENTS = (("kdtree_flash_launch_plan", 6, 4),)  # wgmma_built
 
 
+def takes_added_argument(lib: ctypes.CDLL, name: str) -> bool:
+    """Whether the library's `name` takes the argument ADDED_ARGUMENTS lists for it (built at that ABI version or
+    later)."""
+    version = lib.kdtree_abi_version() if hasattr(lib, "kdtree_abi_version") else 0
+    return all(version >= since for fn, since, _ in ADDED_ARGUMENTS if fn == name)
+
+
 def load(path: str | Path) -> ctypes.CDLL:
     """The library at `path` with every kdtree_* function the header declares (and the library exports) typed. A
     library from older sources may lack some: hasattr() says which. Raises LoadError where it does not load or where
@@ -231,10 +238,9 @@ def load(path: str | Path) -> ctypes.CDLL:
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.restype, fn.argtypes = restype, argtypes
-    version = lib.kdtree_abi_version() if hasattr(lib, "kdtree_abi_version") else 0
-    for name, since, index in ADDED_ARGUMENTS:
+    for name, _, index in ADDED_ARGUMENTS:
         fn = getattr(lib, name, None)
-        if fn is not None and version < since:
+        if fn is not None and not takes_added_argument(lib, name):
             fn.argtypes = [t for i, t in enumerate(fn.argtypes) if i != index]
     if hasattr(lib, "kdtree_params_size") and lib.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
         raise LoadError(f"{path}: VerifyAttnParams is {lib.kdtree_params_size()} B in the library, "

@@ -125,7 +125,7 @@ def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
     fn = getattr(L, "kdtree_flash_launch_plan", None)
     if fn is None:
         return None
-    takes_wgmma = L.kdtree_abi_version() >= 6  # cabi.load typed an older library's entry in its own form
+    takes_wgmma = cabi.takes_added_argument(L, "kdtree_flash_launch_plan")  # cabi.load typed an older one without it
 
     def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool, wgmma_built: bool = False) -> dict:
         full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
