@@ -24,3 +24,14 @@ class CheckFailed(KdevError):
 
 class EnvironmentMissing(KdevError):
     exit_code = EXIT_NO_ENVIRONMENT
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs: temp files and folders are removed
+    and child compilers killed as for Ctrl-C (the default action would end the process on the spot)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signum)
+        self.signum, self.signal_name = signum, signal.Signals(signum).name

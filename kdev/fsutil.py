@@ -1,7 +1,8 @@
 """Atomic file writes: a temp file in the same folder, fsync, then rename. Nothing is ever half-written, and what is
 written gets the modes a plain write would give it (the umask's), so another account (an inference server's) can read
 the vectors and load the library. Temp files and folders carry their writer's PID, so a later run removes those of a
-writer that was killed. And the reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings),
+writer that was killed; a stop signal (Ctrl-C, SIGTERM, SIGHUP) is held back while a temp is made or swapped in, and
+once taken it stops the program at the next write even where library code swallowed it. And the reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings),
 where one that is missing or damaged stands for no record."""
 
 from __future__ import annotations
@@ -16,7 +17,28 @@ import tempfile
 import threading
 from pathlib import Path
 
-DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from kdev.errors import Terminated
+
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_stops_taken: list[int] = []  # the stop signals stop_on_signal took, first first
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    """The CLI's handler of SIGINT, SIGTERM and SIGHUP: raises KeyboardInterrupt or Terminated where the program is, so
+    that every `finally` runs, and records the signal. Recorded because library code may swallow the exception: Cython's
+    module initialisation clears any error raised while it registers its types with collections.abc, and a SIGTERM that
+    landed there (numpy.random's first import, at the start of gen-refs) was lost and the run wrote its suite and exited 0.
+    raise_if_stopped raises it again before anything is written."""
+    _stops_taken.append(signum)
+    raise_if_stopped()
+
+
+def raise_if_stopped() -> None:
+    """Raise the first stop signal taken (KeyboardInterrupt for SIGINT, else Terminated) if one was."""
+    if _stops_taken:
+        if _stops_taken[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(_stops_taken[0])
 
 
 @contextlib.contextmanager
@@ -28,6 +50,7 @@ def signals_deferred():
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers can be set in the main thread only, and run only there
         return
+    raise_if_stopped()  # a stop that was taken and swallowed: nothing more is written
     pending: list[int] = []
     before = {s: signal.getsignal(s) for s in DEFERRED_SIGNALS}
     for s in DEFERRED_SIGNALS:

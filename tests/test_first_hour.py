@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -274,6 +275,29 @@ def test_a_table_wider_than_the_terminal_keeps_every_figure_whole(both_archs):
     assert "  slot use         90.2%" in out and "  KV read by CTAs  340 MB (9x)" in out
     code, out, _ = run_kdev("plan", "--gpu", "h200", "--library", lib, env={"COLUMNS": "250"})
     assert code == 0 and "│ B1-L32768-N64-H8-p64 " in out  # a terminal it fits keeps the table
+
+
+def test_a_stop_that_library_code_swallowed_still_stops_the_next_write(tmp_path):
+    """Cython's module initialisation clears an exception raised while it registers its types with collections.abc; a
+    SIGTERM whose handler raised there (numpy.random's first import) was lost, and gen-refs wrote its suite and exited 0.
+    The handler's record stops the next write."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from pathlib import Path
+        from kdev import fsutil
+        signal.signal(signal.SIGTERM, fsutil.stop_on_signal)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(200_000):  # bytecodes at which the handler runs
+                pass
+        except BaseException:
+            print("swallowed", flush=True)
+        fsutil.atomic_write_bytes(Path(sys.argv[1]), b"written after a stop")
+        """)
+    p = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out.bin")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.stdout == "swallowed\n" and p.returncode == 1 and "kdev.errors.Terminated: 15" in p.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_signal_in_a_deferred_block_lands_after_it():

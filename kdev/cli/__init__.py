@@ -14,8 +14,8 @@ from typing import Optional
 
 import typer
 
-from kdev import __version__, report
-from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EnvironmentMissing, KdevError
+from kdev import __version__, fsutil, report
+from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EnvironmentMissing, KdevError, Terminated
 
 app = typer.Typer(
     name="kdev",
@@ -119,7 +119,9 @@ def command(fn):
                 from kdev import project
 
                 project.require_root()
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            fsutil.raise_if_stopped()  # a stop that library code swallowed never ends in a success
+            return result
         except KdevError as e:
             fail(str(e), e.exit_code)
         except OSError as e:  # a path the user gave that cannot be read or written: bad input, said in one line
@@ -188,19 +190,6 @@ def write_json_file(path: Optional[Path], doc: dict) -> None:
         atomic_write_bytes(path, json.dumps(report._jsonable(doc), indent=2, allow_nan=False).encode())
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP, raised where the program is so that every `finally` runs: temp files and folders are removed
-    and child compilers killed as for Ctrl-C (the default action would end the process on the spot)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum, self.signal_name = signum, signal.Signals(signum).name
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
-
-
 from kdev.cli import loop, tools  # noqa: E402,F401  (registers the commands, in the order help lists them)
 
 # The command list shows each command's first paragraph; Typer's rich help would keep the docstring's line breaks
@@ -238,6 +227,8 @@ _placeholders()
 
 
 def main():
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_terminated)
+    from kdev.fsutil import DEFERRED_SIGNALS, stop_on_signal
+
+    for sig in DEFERRED_SIGNALS:
+        signal.signal(sig, stop_on_signal)
     app()
