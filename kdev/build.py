@@ -27,8 +27,8 @@ from kdev import __version__
 from kdev import resources
 from kdev.config import REPO_ROOT, BuildConfig, load_build
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing, KdevError
-from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, read_json_record,
-                         remove_dead_writers_temps, temp_name)
+from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, raise_if_stopped, read_json_record,
+                         remove_dead_writers_temps, signals_deferred, temp_name)
 
 KERNEL_DIR = REPO_ROOT / "kernels"
 LIB_NAME = "libkdtree.so"
@@ -279,14 +279,16 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     gen = folder / "build_info.gen.cpp"
     atomic_write_bytes(gen, _build_info_source(info).encode())
     remove_dead_writers_temps(folder)  # what a killed build left: its temp library and nvcc's temp folder
-    fd, tmp_lib = tempfile.mkstemp(prefix=temp_name("libkdtree"), suffix=".so", dir=folder)
-    os.close(fd)
-    scratch = make_temp_dir(folder, "nvcc")  # nvcc's own temp files (TMPDIR): removed whatever happens
     cu = [str(p) for p in kernel_sources(kernel_dir) if p.suffix == ".cu"]
-    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *cfg.flags, "-Xptxas", "-v", f"-I{kernel_dir / 'include'}",
-           *gencode_flags(cfg.archs), "--threads", "0", "-o", tmp_lib, *cu, str(gen)]
-    log(f"nvcc {ver}: {len(cu)} sources for {', '.join(cfg.archs)}")
+    tmp_lib = scratch = None
     try:
+        with signals_deferred():  # a kill now lands inside this try, where both temps are removed
+            fd, tmp_lib = tempfile.mkstemp(prefix=temp_name("libkdtree"), suffix=".so", dir=folder)
+            os.close(fd)
+            scratch = make_temp_dir(folder, "nvcc")  # nvcc's own temp files (TMPDIR)
+        cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *cfg.flags, "-Xptxas", "-v", f"-I{kernel_dir / 'include'}",
+               *gencode_flags(cfg.archs), "--threads", "0", "-o", tmp_lib, *cu, str(gen)]
+        log(f"nvcc {ver}: {len(cu)} sources for {', '.join(cfg.archs)}")
         returncode, text = run_tool_group(cmd, {**os.environ, "TMPDIR": str(scratch)})
         if returncode != 0:
             errors = _compiler_errors(text) or [line for line in text.splitlines() if line.strip()][-5:]
@@ -298,10 +300,13 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         # would get that one back from the loader
         launches = resources.flash_launches(tmp_lib, cfg)
         os.chmod(tmp_lib, normal_mode(executable=True))  # mkstemp's 0600: a server's account could not load it
+        raise_if_stopped()  # a stop that library code swallowed: the build is not put in place
         os.replace(tmp_lib, lib)
     finally:
-        Path(tmp_lib).unlink(missing_ok=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if tmp_lib is not None:
+            Path(tmp_lib).unlink(missing_ok=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     rows = resources.parse_ptxas(text)
     names = resources.demangle(sorted({r.kernel for r in rows}))
     for r in rows:

@@ -16,7 +16,7 @@ from kdev import build as kbuild
 from kdev.build import KERNEL_DIR, LIB_NAME, BuildResult, library_file, source_hash
 from kdev.config import REPO_ROOT
 from kdev.errors import BadInput
-from kdev.fsutil import make_temp_dir
+from kdev.fsutil import make_temp_dir, raise_if_stopped, signals_deferred
 
 
 def git_revision(ref: str, repo: Path = REPO_ROOT) -> str | None:
@@ -70,14 +70,16 @@ def revision_kernels(ref: str, repo: Path = REPO_ROOT, output_dir: Path | None =
         raise BadInput(f"{ref}: git archive of its kernels/ failed: "
                        f"{(r.stderr.decode(errors='replace').strip().splitlines() or ['?'])[-1]}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(dest.parent, f"ab-{sha[:12]}")
+    tmp = None
     try:
+        with signals_deferred():  # a kill now lands inside this try, where the temp folder is removed
+            tmp = make_temp_dir(dest.parent, f"ab-{sha[:12]}")
         with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tar:
             tar.extractall(tmp, filter="data")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
+        _swap_in(tmp, dest)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest / "kernels"
 
 
@@ -92,8 +94,10 @@ def patch_kernels(patch: Path, kernel_dir: Path = KERNEL_DIR, output_dir: Path |
     dest = (output_dir or REPO_ROOT / "build") / f"ab-patch-{digest}"
     if is_kernel_tree(dest / "kernels"):
         return dest / "kernels"
-    tmp = make_temp_dir(dest.parent, f"ab-patch-{digest}")
+    tmp = None
     try:
+        with signals_deferred():  # a kill now lands inside this try, where the temp folder is removed
+            tmp = make_temp_dir(dest.parent, f"ab-patch-{digest}")
         shutil.copytree(kernel_dir, tmp / "kernels")
         # inside a repository git apply would patch that repository's paths: the ceiling keeps it to tmp
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp.parent)}
@@ -101,11 +105,18 @@ def patch_kernels(patch: Path, kernel_dir: Path = KERNEL_DIR, output_dir: Path |
         if r.returncode != 0:
             raise BadInput(f"{patch.name}: does not apply to {kernel_dir}: "
                            f"{(r.stderr.strip().splitlines() or ['?'])[0]}")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
+        _swap_in(tmp, dest)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest / "kernels"
+
+
+def _swap_in(tmp: Path, dest: Path) -> None:
+    """The finished tree `tmp` put in place of `dest` (whatever is there is not a kernel tree), unless a stop was taken."""
+    raise_if_stopped()
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
 
 
 def library_for(ref: str, archs: list[str], log=None, repo: Path = REPO_ROOT) -> BuildResult | Path:

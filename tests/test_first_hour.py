@@ -3,6 +3,7 @@ around the current directory, and no kill of a command leaves debris (temp folde
 on)."""
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -298,6 +299,31 @@ def test_a_stop_that_library_code_swallowed_still_stops_the_next_write(tmp_path)
                        text=True, timeout=120)
     assert p.stdout == "swallowed\n" and p.returncode == 1 and "kdev.errors.Terminated: 15" in p.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_after_a_swallowed_stop_no_tree_is_put_in_place(tmp_path, monkeypatch):
+    """A variant's kernel tree (as a build's library) is put in place only if no stop was taken meanwhile."""
+    from kdev import refs
+    from kdev.errors import Terminated
+
+    patch = sorted((REPO / "variants").glob("*.patch"))[0]
+    taken: list[int] = []
+    monkeypatch.setattr(fsutil, "_stops_taken", taken)
+    copytree = shutil.copytree
+
+    def copy_then_a_stop_is_swallowed(*args, **kwargs):
+        copytree(*args, **kwargs)
+        taken.append(signal.SIGTERM)
+
+    monkeypatch.setattr(shutil, "copytree", copy_then_a_stop_is_swallowed)
+    with pytest.raises(Terminated):
+        refs.patch_kernels(patch, output_dir=tmp_path / "build")
+    assert list((tmp_path / "build").iterdir()) == []  # the temp tree removed, none put in place
+    with pytest.raises(Terminated):  # and none started
+        refs.patch_kernels(patch, output_dir=tmp_path / "build")
+    taken.clear()
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    assert refs.patch_kernels(patch, output_dir=tmp_path / "build").is_dir()
 
 
 def test_a_signal_in_a_deferred_block_lands_after_it():
