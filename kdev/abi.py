@@ -140,6 +140,8 @@ class Library:
         # a library built before an entry point existed still loads (an A/B base); calling it is refused in call()
         self.kernels = tuple(k for k, fn in VERIFY_KERNELS.items() if hasattr(L, fn))
         self.abi_version = L.kdtree_abi_version()
+        # ABI 7: run() fills shared memory with NaN before each launch (a library from older sources runs without it)
+        self.poisons_shared_memory = hasattr(L, "kdtree_poison_shared_memory")
         self.plan_sm_count = 0  # plan_as(): every flash call planned as for a GPU of that many SMs
         self.build_info = cabi.build_info(L)
         self.stale = self.build_info.get("source_hash") != kbuild.source_hash()
@@ -244,6 +246,12 @@ class Library:
             self.schedule(p, s)
         self._status(fn, getattr(self.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
+    def poison_shared_memory(self, stream=None) -> None:
+        """Every SM's shared memory filled with NaN on the stream: a kernel launched after it that reads shared memory
+        it never wrote gives NaN, not what the kernel before left there (often finite: a read that passes by luck)."""
+        s = stream or torch.cuda.current_stream()
+        self._status("kdtree_poison_shared_memory", self.lib.kdtree_poison_shared_memory(ctypes.c_void_p(s.cuda_stream)))
+
     def alloc_outputs(self, x: VerifyInputs):
         """out and lse poisoned with NaN, so an unwritten element cannot pass."""
         n_q, heads, _ = x.q.shape
@@ -262,10 +270,12 @@ class Library:
         return ws
 
     def run(self, kernel: str, x: VerifyInputs, sync: bool = True):
-        """Poisoned outputs, workspace, launch on the current stream, (sync). Returns (out, lse)."""
+        """Poisoned outputs, workspace and shared memory, launch on the current stream, (sync). Returns (out, lse)."""
         out, lse = self.alloc_outputs(x)
         p = self.params(x, out, lse)
         ws = self.alloc_workspace(kernel, p, x.q.device)
+        if self.poisons_shared_memory:
+            self.poison_shared_memory()
         self.call(kernel, p)
         if sync:
             torch.cuda.current_stream().synchronize()

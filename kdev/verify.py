@@ -1,6 +1,6 @@
 """kdev verify: run the verify kernels on golden vectors (or fresh fuzz cases), compare, keep a ledger.
 
-Per case and kernel: outputs poisoned with NaN, one launch on the current stream, status checked,
+Per case and kernel: outputs, workspace and every SM's shared memory poisoned with NaN, one launch on the current stream, status checked,
 synchronised; then out and lse are compared with the golden float64 reference (compare.py), and the
 token-exact check projects the latent outputs through a fixed, seeded per-head W_UV, an output projection
 and an LM head, takes the argmax at every tree node and runs the greedy accept walk (ddtree.py). A node
@@ -283,11 +283,14 @@ def make_record(kind: str, results: list[CaseResult], kernels: list[str], lib: a
     return {
         "schema_version": ledger.LEDGER_SCHEMA, "timestamp": ledger.now_iso(), "kind": kind,
         "source_hash": lib.build_info.get("source_hash"), "build_info": lib.build_info, "library": str(lib.path),
+        # whether shared memory was poisoned before each launch (a library from before ABI 7 cannot)
+        "shared_memory_poisoned": lib.poisons_shared_memory,
         # the library's bytes: deploy-check --gpus matches each GPU's row to the build it will deploy
         "library_sha256": hashlib.sha256(Path(lib.path).read_bytes()).hexdigest() if Path(lib.path).is_file() else None,
         "gpu": gpu, "plan": plan, "suite": suite, "kernels": per, "passed": all(r.passed for r in results) and bool(results),
         # the builds of the KERNEL@REF kernels (another build's, beside this library's)
-        "libraries": {k: {"library": str(o.path), "source_hash": o.build_info.get("source_hash")}
+        "libraries": {k: {"library": str(o.path), "source_hash": o.build_info.get("source_hash"),
+                          "shared_memory_poisoned": o.poisons_shared_memory}
                       for k, (o, _) in (others or {}).items()},
         "failures": [{"case": r.case, "kernel": r.kernel, "against": r.against,
                       "reason": r.error or "; ".join(x for x in (

@@ -144,6 +144,17 @@ int plan_sm_count(const VerifyAttnParams* p, int* sm_count) {
   return KDTREE_OK;
 }
 
+// Every SM's shared memory filled with 0xFF bytes (NaN as bf16 and as fp32) by CTAs of the largest shared memory a block
+// may take, twice as many as SMs so that each SM gets one. A verify launch after it that reads shared memory it never
+// wrote (a KV buffer no copy filled) gets NaN, where it would otherwise get what the kernel before left there: often
+// finite, and then the read passes by luck. The stores are asm volatile: a compiler may drop stores nothing reads.
+__global__ void __launch_bounds__(1024) poison_shared_memory_kernel(int chunks) {
+  extern __shared__ uint4 smem_to_poison[];
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(smem_to_poison));
+  for (int i = threadIdx.x; i < chunks; i += blockDim.x)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + 16 * i), "r"(0xFFFFFFFFu) : "memory");
+}
+
 kdtree::FlashPlan flash_plan(const VerifyAttnParams* p, int sm_count) {
   return kdtree::plan_verify_attn_flash(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len, p->page_size,
                                         sm_count);
@@ -160,13 +171,33 @@ extern "C" {
 // (kernels/include/kdev/flash_plan.cuh), and kdtree_verify_attn_workspace_size covers it.
 // 5: the plan prices a narrow tile by how the tiles are copied, so kdtree_flash_plan, kdtree_flash_split_cost and
 // kdtree_flash_schedule_plan take the page size; kdtree_flash_schedule_plan takes the call's bounds too.
-int kdtree_abi_version(void) { return 6; }
+// 6: kdtree_flash_launch_plan takes wgmma_built (whether the code holds the wgmma kernel).
+// 7: kdtree_poison_shared_memory.
+int kdtree_abi_version(void) { return 7; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 
 int kdtree_max_qlen(void) { return KDTREE_MAX_QLEN; }
 
 const char* kdtree_last_error(void) { return g_last_error; }
+
+int kdtree_poison_shared_memory(cudaStream_t stream) {
+  int dev = 0, sm_count = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
+  err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaDeviceGetAttribute");
+  err = cudaFuncSetAttribute(poison_shared_memory_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (err == cudaSuccess)  // the whole unified L1 / shared memory as shared memory
+    err = cudaFuncSetAttribute(poison_shared_memory_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return cuda_fail(err, "cudaFuncSetAttribute (poison_shared_memory_kernel)");
+  poison_shared_memory_kernel<<<2 * sm_count, 1024, optin, stream>>>(optin / 16);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_fail(err, "poison_shared_memory_kernel launch");
+  return KDTREE_OK;
+}
 
 int kdtree_verify_attn(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';

@@ -226,6 +226,7 @@ def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
 
     class Lib:
         build_info, path, planned = {"source_hash": "abc"}, "lib.so", None
+        poisons_shared_memory = True
 
         def plan_as(self, n):
             self.planned = n
@@ -237,6 +238,7 @@ def test_the_record_names_the_plan_the_flash_calls_took(monkeypatch):
     assert verify.load_planned_library(None, None, None).planned is None  # this GPU's own plan: nothing set
     rec = verify.make_record("fuzz", [], ["flash-portable"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"}, target)
     assert rec["plan"] == {"gpu": "rtx-pro-6000", "name": "NVIDIA RTX PRO 6000 Blackwell", "arch": "sm_120", "sms": 188}
+    assert rec["shared_memory_poisoned"] is True
     assert verify.make_record("fuzz", [], ["flash"], lib, {"arch": "sm_90"}, {"name": "fuzz:1"})["plan"] is None
     # a bare SM count: no GPU and no arch (deploy-check does not count it as the target's plan)
     assert plan_target("96").to_dict() == {"gpu": None, "name": None, "arch": None, "sms": 96}

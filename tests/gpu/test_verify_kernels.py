@@ -40,6 +40,21 @@ def test_smoke_goldens(lib, kernel):
         _check(lib, kernel, t, entry["scale"], suite.tolerances(entry), f"{kernel}/{entry['name']}")
 
 
+def test_shared_memory_is_poisoned_before_each_verify_launch(lib, monkeypatch):
+    """run() fills every SM's shared memory with NaN first (ABI 7): a kernel reading shared memory it never wrote then
+    fails the finite-output check instead of reading what the kernel before left."""
+    assert lib.poisons_shared_memory
+    lib.poison_shared_memory()
+    torch.cuda.synchronize()
+    order = []
+    poison, call = lib.poison_shared_memory, lib.call
+    monkeypatch.setattr(lib, "poison_shared_memory", lambda *a: (order.append("poison"), poison(*a)))
+    monkeypatch.setattr(lib, "call", lambda *a, **k: (order.append("launch"), call(*a, **k)))
+    _, entry, t, _ = _smoke_case(0)
+    _check(lib, "flash", t, entry["scale"], vectors.open_suite("smoke").tolerances(entry), "flash after poisoning")
+    assert order == ["poison", "launch"]
+
+
 def _random_spec(rng, name, max_prefix=6000, max_nodes=160):
     batch = int(rng.integers(1, 5))
     prefix = [int(v) for v in rng.integers(0, max_prefix, batch)]

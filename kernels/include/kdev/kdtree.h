@@ -146,11 +146,14 @@ typedef struct CompactParams {
 
 /* ------------------------------------------------------------------------------------------- entry points */
 /* Library facts. */
-int kdtree_abi_version(void);            /* 6 */
+int kdtree_abi_version(void);            /* 7 */
 size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
 int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
 const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
 const char* kdtree_build_info(void);     /* provenance JSON: git sha and dirty flag, source hash, nvcc, archs, flags */
+/* Every SM's shared memory filled with NaN (0xFF bytes) on `stream` (ABI 7), before a verify launch: a kernel that
+ * reads shared memory it never wrote then gives NaN, not what the kernel before it left there. */
+int kdtree_poison_shared_memory(kdtree_stream_t stream);
 
 /* Tree-verify attention. Nothing allocates or synchronises: every call can be captured in a CUDA graph. */
 int kdtree_verify_attn(const VerifyAttnParams* p, kdtree_stream_t stream);           /* the naive oracle */
