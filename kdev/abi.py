@@ -250,7 +250,8 @@ class Library:
         """Every SM's shared memory filled with NaN on the stream: a kernel launched after it that reads shared memory
         it never wrote gives NaN, not what the kernel before left there (often finite: a read that passes by luck)."""
         s = stream or torch.cuda.current_stream()
-        self._status("kdtree_poison_shared_memory", self.lib.kdtree_poison_shared_memory(ctypes.c_void_p(s.cuda_stream)))
+        status = self.lib.kdtree_poison_shared_memory(ctypes.c_void_p(s.cuda_stream))
+        self._status("kdtree_poison_shared_memory", status)
 
     def alloc_outputs(self, x: VerifyInputs):
         """out and lse poisoned with NaN, so an unwritten element cannot pass."""

@@ -4,6 +4,8 @@ Stage modules raise these; kdev/cli turns them into one line on stderr and the e
 in kdev calls sys.exit.
 """
 
+import signal
+
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1  # a mismatch, a regression, a failed deploy gate
 EXIT_BAD_INPUT = 2  # bad usage or bad input (config, vectors, arguments)
@@ -31,7 +33,5 @@ class Terminated(BaseException):
     and child compilers killed as for Ctrl-C (the default action would end the process on the spot)."""
 
     def __init__(self, signum: int):
-        import signal
-
         super().__init__(signum)
         self.signum, self.signal_name = signum, signal.Signals(signum).name

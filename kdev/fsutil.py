@@ -2,8 +2,9 @@
 written gets the modes a plain write would give it (the umask's), so another account (an inference server's) can read
 the vectors and load the library. Temp files and folders carry their writer's PID, so a later run removes those of a
 writer that was killed; a stop signal (Ctrl-C, SIGTERM, SIGHUP) is held back while a temp is made or swapped in, and
-once taken it stops the program at the next write even where library code swallowed it. And the reading of kdev's own JSON records (build/latest.json, build.json, cached ceilings),
-where one that is missing or damaged stands for no record."""
+once taken it stops the program at the next write even where library code swallowed it. And the reading of kdev's own
+JSON records (build/latest.json, build.json, cached ceilings), where one that is missing or damaged stands for no
+record."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ _stops_taken: list[int] = []  # the stop signals stop_on_signal took, first firs
 
 def stop_on_signal(signum: int, frame) -> None:
     """The CLI's handler of SIGINT, SIGTERM and SIGHUP: raises KeyboardInterrupt or Terminated where the program is, so
-    that every `finally` runs, and records the signal. Recorded because library code may swallow the exception: Cython's
-    module initialisation clears any error raised while it registers its types with collections.abc, and a SIGTERM that
-    landed there (numpy.random's first import, at the start of gen-refs) was lost and the run wrote its suite and exited 0.
-    raise_if_stopped raises it again before anything is written."""
+    that every `finally` runs, and records the signal. Recorded because library code may swallow the exception:
+    Cython's module initialisation clears any error raised while it registers its types with collections.abc, and a
+    SIGTERM that landed there (numpy.random's first import, at the start of gen-refs) was lost, and the run wrote its
+    suite and exited 0. raise_if_stopped raises it again before anything is written."""
     _stops_taken.append(signum)
     raise_if_stopped()
 

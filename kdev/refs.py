@@ -113,7 +113,8 @@ def patch_kernels(patch: Path, kernel_dir: Path = KERNEL_DIR, output_dir: Path |
 
 
 def _swap_in(tmp: Path, dest: Path) -> None:
-    """The finished tree `tmp` put in place of `dest` (whatever is there is not a kernel tree), unless a stop was taken."""
+    """The finished tree `tmp` put in place of `dest` (whatever is there is not a kernel tree), unless a stop was
+    taken."""
     raise_if_stopped()
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)

@@ -1,8 +1,8 @@
 """kdev verify: run the verify kernels on golden vectors (or fresh fuzz cases), compare, keep a ledger.
 
-Per case and kernel: outputs, workspace and every SM's shared memory poisoned with NaN, one launch on the current stream, status checked,
-synchronised; then out and lse are compared with the golden float64 reference (compare.py), and the
-token-exact check projects the latent outputs through a fixed, seeded per-head W_UV, an output projection
+Per case and kernel: outputs, workspace and every SM's shared memory poisoned with NaN, one launch on the current
+stream, status checked, synchronised; then out and lse are compared with the golden float64 reference (compare.py),
+and the token-exact check projects the latent outputs through a fixed, seeded per-head W_UV, an output projection
 and an LM head, takes the argmax at every tree node and runs the greedy accept walk (ddtree.py). A node
 whose reference top-2 logit margin is within the noise of bf16 outputs (TIE_SIGMAS standard deviations of
 one bf16 ulp per element, propagated through the projection) is a tie: reported, not failed. With --repeat N

@@ -144,10 +144,11 @@ int plan_sm_count(const VerifyAttnParams* p, int* sm_count) {
   return KDTREE_OK;
 }
 
-// Every SM's shared memory filled with 0xFF bytes (NaN as bf16 and as fp32) by CTAs of the largest shared memory a block
-// may take, twice as many as SMs so that each SM gets one. A verify launch after it that reads shared memory it never
-// wrote (a KV buffer no copy filled) gets NaN, where it would otherwise get what the kernel before left there: often
-// finite, and then the read passes by luck. The stores are asm volatile: a compiler may drop stores nothing reads.
+// Every SM's shared memory filled with 0xFF bytes (NaN as bf16 and as fp32) by CTAs of the largest shared memory a
+// block may take, twice as many as SMs so that each SM gets one. A verify launch after it that reads shared memory it
+// never wrote (a KV buffer no copy filled) gets NaN, where it would otherwise get what the kernel before left there:
+// often finite, and then the read passes by luck. The stores are asm volatile: a compiler may drop stores nothing
+// reads.
 __global__ void __launch_bounds__(1024) poison_shared_memory_kernel(int chunks) {
   extern __shared__ uint4 smem_to_poison[];
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(smem_to_poison));

@@ -280,8 +280,8 @@ def test_a_table_wider_than_the_terminal_keeps_every_figure_whole(both_archs):
 
 def test_a_stop_that_library_code_swallowed_still_stops_the_next_write(tmp_path):
     """Cython's module initialisation clears an exception raised while it registers its types with collections.abc; a
-    SIGTERM whose handler raised there (numpy.random's first import) was lost, and gen-refs wrote its suite and exited 0.
-    The handler's record stops the next write."""
+    SIGTERM whose handler raised there (numpy.random's first import) was lost, and gen-refs wrote its suite and exited
+    0. The handler's record stops the next write."""
     script = textwrap.dedent("""
         import os, signal, sys
         from pathlib import Path
