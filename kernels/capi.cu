@@ -183,6 +183,7 @@ int kdtree_max_qlen(void) { return KDTREE_MAX_QLEN; }
 const char* kdtree_last_error(void) { return g_last_error; }
 
 int kdtree_poison_shared_memory(cudaStream_t stream) {
+  g_last_error[0] = '\0';
   int dev = 0, sm_count = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return cuda_fail(err, "cudaGetDevice");
