@@ -3,8 +3,10 @@
 Kept: every library a build/latest*.json names (the default library and each arch set's latest), every library a
 passing ledger record names (deploy-check's evidence, an A/B base that verified), and the newest ledger records.
 Removable: other build folders (candidate builds of --kernels, revisions and patches, builds of sources since
-changed, their extracted kernels/ trees), temp files and folders of writers that are no longer running, and ledger
-records past the newest `keep_records` that are not the newest passing record of their sources and arch.
+changed, their extracted kernels/ trees), temp files and folders of writers that are no longer running (under build/,
+vectors/ and .kdev/: a killed build's library and nvcc scratch, a killed gen-refs' half suite), and ledger records past
+the newest `keep_records` that are not the newest passing record of their sources and arch. Each byte is counted once:
+a temp inside a folder that is listed is not listed again.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def _kept_libraries(build_dir: Path, records: list[dict]) -> set[Path]:
     return kept
 
 
+# the folders whose dead writers' temps clean lists (gen-refs writes its suites under vectors/)
+TEMP_ROOTS = ("build", "vectors", ".kdev")
+
+
+def _inside(path: Path, folders: list[Path]) -> bool:
+    return any(f == path or f in path.parents for f in folders)
+
+
 # what a build/ folder is, by its name's start (the longer prefix first)
 _WHY = (("ab-patch-", "a patch applied to kernels/ (made again from the patch on demand)"),
         ("ab-", "a revision's kernels/ (rebuilt from git on demand)"))
@@ -69,8 +79,10 @@ def plan(repo: Path, keep_records: int = 1000) -> list[Item]:
             why = next((w for prefix, w in _WHY if folder.name.startswith(prefix)),
                        "a build no latest record and no passing verify names")
             items.append(Item(folder, _size(folder), why))
-        for p in sorted(build_dir.rglob(".*")):
-            if is_dead_writers_temp(p):
+    for root in TEMP_ROOTS:
+        for p in sorted((repo / root).rglob(".*")) if (repo / root).is_dir() else []:
+            # a temp inside a listed folder (a removable build, a dead temp folder) is counted with that folder
+            if is_dead_writers_temp(p) and not _inside(p, [i.path for i in items]):
                 items.append(Item(p, _size(p), "a temp of a writer that is no longer running"))
     newest_passing: dict[tuple, str] = {}
     for r in records:
