@@ -56,3 +56,34 @@ def test_clean_sees_a_killed_gen_refs_half_suite_and_counts_each_byte_once(tmp_p
     code, out, _ = run_kdev("clean", "--yes", cwd=repo)
     assert code == 0 and "removed 2 item(s), 0.0 MB" in out
     assert not half.exists() and not old.exists()
+
+
+# ------------------------------------------------------------------------------------- the option parser
+@pytest.mark.parametrize("args, says", [
+    (["verify", "--repeat", "0"], "kdev verify: --repeat: "),
+    (["e2e", "--prompts", "0"], "kdev e2e: --prompts: "),
+    (["verify", "--repeat", "x"], "kdev verify: --repeat: "),
+    (["verify", "--no-such-option"], "No such option: --no-such-option"),
+    (["no-such-command"], "No such command 'no-such-command'"),
+    (["verify", "--kernel", "bogus"], "kdev verify: --kernel: unknown kernel 'bogus'"),
+])
+def test_the_option_parsers_errors_are_one_kdev_line_and_one_json_document(args, says):
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+    assert "Usage:" not in r.stderr and "Error:" not in r.stderr
+    r = CliRunner().invoke(app, args + ["--json"])
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == 2 and says in doc["error"] and r.stderr.strip() == f"error: {doc['error']}"
+
+
+def test_a_parser_error_through_the_installed_entry_point_is_one_json_document():
+    code, out, err = run_kdev("verify", "--repeat", "0", "--json")
+    assert code == 2 and json.loads(out) == {"error": "kdev verify: --repeat: Input should be greater than or equal "
+                                             "to 1 (see kdev verify -h)", "exit_code": 2}
+    assert err.count("\n") == 1 and "Traceback" not in err

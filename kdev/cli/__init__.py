@@ -9,16 +9,82 @@ from __future__ import annotations
 import functools
 import inspect
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core
+from typer.core import TyperGroup
 
 from kdev import __version__, fsutil, report
 from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EnvironmentMissing, KdevError, Terminated
 
+# the exceptions of the click that typer runs on: its own copy in newer typers (typer._click), the click package before
+_click = getattr(typer.core, "_click", None) or typer.core.click
+_errors = _click.exceptions
+_NO_ARGS_IS_HELP = getattr(_errors, "NoArgsIsHelpError", ())  # `kdev` alone: the help, as it is
+
+
+def usage_error_line(e) -> str:
+    """An error of the option parser (or a command's own typer.BadParameter) in kdev's one-line form: the command, the
+    option, what is wrong, where help is (`kdev verify: --repeat: ... (see kdev verify -h)`), not click's usage block."""
+    if isinstance(e, _errors.BadParameter) and not isinstance(e, _errors.MissingParameter):
+        hint = e.param_hint if e.param_hint is not None else (max(e.param.opts, key=len) if e.param else None)
+        hint = "/".join(hint) if isinstance(hint, (list, tuple)) else hint
+        what = f"{hint}: {e.message}" if hint else e.message
+    else:
+        what = e.format_message()
+    ctx = e.ctx or _click.globals.get_current_context(silent=True)
+    path = ctx.command_path if ctx is not None else "kdev"
+    return f"{path}: {what} (see {path} -h)"
+
+
+class _OneLineUsageError(_errors.ClickException):
+    """A usage error shown as kdev shows every error: `error: ...` in one line on stderr, and with --json also
+    {"error": ..., "exit_code": 2} on stdout (docs/architecture.md §5)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, json_out: bool):
+        super().__init__(message)
+        self.json_out = json_out
+
+    def show(self, file=None) -> None:
+        report.error(self.message)
+        if self.json_out:
+            report.emit_json({"error": self.message, "exit_code": self.exit_code})
+
+
+class KdevGroup(TyperGroup):
+    """kdev's command group: the option parser's errors (an unknown option, a value out of range, a missing
+    argument, an unknown command) become one line in kdev's style, and a JSON document where --json was given."""
+
+    _json_out = False
+
+    def main(self, args=None, *a, **kw):
+        args = sys.argv[1:] if args is None else list(args)
+        self._json_out = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+        return super().main(args, *a, **kw)
+
+    def _one_line(self, thunk):
+        try:
+            return thunk()
+        except _NO_ARGS_IS_HELP:
+            raise
+        except _errors.UsageError as e:
+            raise _OneLineUsageError(usage_error_line(e), self._json_out) from None
+
+    def make_context(self, *a, **kw):  # kdev's own options: kdev --bogus
+        return self._one_line(lambda: super(KdevGroup, self).make_context(*a, **kw))
+
+    def invoke(self, ctx):  # the command's name and options, and its run
+        return self._one_line(lambda: super(KdevGroup, self).invoke(ctx))
+
+
 app = typer.Typer(
     name="kdev",
+    cls=KdevGroup,
     help="Develop and validate CUDA kernels for tree speculative decoding on MLA models.",
     no_args_is_help=True,
     add_completion=False,
@@ -128,10 +194,7 @@ def command(fn):
             where = f"{e.filename}: " if e.filename else ""
             fail(f"{where}{e.strerror or e}", EXIT_BAD_INPUT)
         except typer.BadParameter as e:  # raised by a command's own checks
-            if not json_out:
-                raise
-            hint = f"{e.param_hint}: " if getattr(e, "param_hint", None) else ""
-            fail(f"{hint}{e.format_message()}", EXIT_BAD_INPUT)
+            fail(usage_error_line(e), EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             fail("interrupted", 130)
         except Terminated as e:
@@ -231,4 +294,4 @@ def main():
 
     for sig in DEFERRED_SIGNALS:
         signal.signal(sig, stop_on_signal)
-    app()
+    app(prog_name="kdev")  # `python -m kdev` too: its usage and errors name the command as a user types it
