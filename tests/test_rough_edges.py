@@ -87,3 +87,34 @@ def test_a_parser_error_through_the_installed_entry_point_is_one_json_document()
     assert code == 2 and json.loads(out) == {"error": "kdev verify: --repeat: Input should be greater than or equal "
                                              "to 1 (see kdev verify -h)", "exit_code": 2}
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------- e2e and all
+@pytest.mark.parametrize("args, says", [
+    (["--attention", "t.json"], "--attention: only with --acceptance"),
+    (["--step-costs", "s.yaml", "--batch", "4"], "--step-costs, --batch: only with --acceptance"),
+    (["--budget", ""], "--budget '': no budget given"),
+    (["--budget", " , "], "--budget ' , ': no budget given"),
+    (["--backend", "bogus"], "--backend 'bogus': one of reference, naive, flash"),
+])
+def test_e2e_refuses_what_it_would_ignore_or_misreport(args, says):
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    r = CliRunner().invoke(app, ["e2e", *args])
+    assert r.exit_code == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+def test_all_refuses_a_sweep_that_does_not_exist_before_any_stage_runs(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    def no_stage(*a, **kw):
+        raise AssertionError(f"a stage ran: {a}")
+
+    monkeypatch.setattr(subprocess, "run", no_stage)
+    r = CliRunner().invoke(app, ["all", "--sweep", "nosuch", "--json"])
+    assert r.exit_code == 2 and "no sweep named 'nosuch' (have: smoke, targets" in json.loads(r.stdout)["error"], \
+        r.output

@@ -24,6 +24,7 @@ from kdev.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EnvironmentMissing, K
 _click = getattr(typer.core, "_click", None) or typer.core.click
 _errors = _click.exceptions
 _NO_ARGS_IS_HELP = getattr(_errors, "NoArgsIsHelpError", ())  # `kdev` alone: the help, as it is
+ParameterSource = _click.core.ParameterSource  # whether an option was given or left at its default
 
 
 def usage_error_line(e) -> str:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from kdev import report
-from kdev.cli import AxisOpt, GpusOpt, JsonOpt, ShapeOpt, app, command, split_archs, views
+from kdev.cli import AxisOpt, GpusOpt, JsonOpt, ParameterSource, ShapeOpt, app, command, split_archs, views
 from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -172,6 +172,7 @@ def field_report_cmd(
 @app.command("e2e")
 @command
 def e2e_cmd(
+    ctx: typer.Context,
     prompts: int = typer.Option(8, "--prompts", min=1, help="Prompts decoded side by side (ragged lengths)."),
     rounds: int = typer.Option(16, "--rounds", min=1, help="Speculative rounds per prompt."),
     budget: str = typer.Option("16", "--budget", help="Node budgets, comma-separated (e.g. 1,16,64,256): one run "
@@ -208,17 +209,31 @@ def e2e_cmd(
     from kdev.cli import check_device, write_json_file
     from kdev.e2e import run
 
+    from kdev.e2e.adapter import BACKENDS
+
     check_device(device)
     try:
         budgets = tuple(int(b) for b in budget.split(",") if b.strip())
     except ValueError:
         raise BadInput(f"--budget {budget!r}: whole numbers, comma-separated") from None
+    if not budgets:
+        raise BadInput(f"--budget {budget!r}: no budget given (whole numbers, comma-separated, e.g. 1,16,64)")
+    if backend not in BACKENDS:
+        raise BadInput(f"--backend {backend!r}: one of {', '.join(BACKENDS)}")
+    # the deploy curve's own options do nothing to a decoding run: refused rather than ignored
+    given = ctx.get_parameter_source
+    deploy_only = [opt for name, opt in (("attention", "--attention"), ("step_costs", "--step-costs"),
+                                        ("batch", "--batch"), ("prefix", "--prefix"), ("plot_out", "--plot"))
+                   if given(name) not in (None, ParameterSource.DEFAULT)]
+    if acceptance is None and deploy_only:
+        raise BadInput(f"{', '.join(deploy_only)}: only with --acceptance (the budget curve of a deploy); "
+                       "without it kdev e2e decodes on a small model")
     if acceptance is not None:
         _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, plot_out, out_json, json_out)
         return
     if backend != "reference" and device != "cuda":
         raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
-    settings = run.Settings(prompts, rounds, budgets or (0,), page_size, backend, depth, topk, agree, seed=seed,
+    settings = run.Settings(prompts, rounds, budgets, page_size, backend, depth, topk, agree, seed=seed,
                             graph=graph)
     with report.progress("e2e", rounds * len(settings.budgets)) as advance:
         results = run.run(settings, device, advance)
@@ -331,6 +346,9 @@ def all_cmd(
 
     import torch
 
+    from kdev import bench
+
+    bench.expand(bench.load_bench(), sweep, None, None)  # a sweep that does not exist: refused before the loop runs
     have_gpu = torch.cuda.is_available()
     stages = [("gen-refs", ["gen-refs", "--suite", suite, "--check"], False),
               ("build", ["build"], False),
