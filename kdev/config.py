@@ -77,12 +77,42 @@ class _Reader:
             raise self.fail(str(unknown[0]), "unknown key")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.mark = key, mark
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader that refuses a key given twice in one mapping (at any depth), where PyYAML keeps the last
+    one silently: a second `suites:` would drop every suite of the first. A merge key (`<<: *base`) that an explicit
+    key overrides is not a duplicate."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, key_node.start_mark)
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    pass
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"{path}: no such config file")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise BadInput(f"{path}: duplicate key {e.key!r} (line {e.mark.line + 1}, column {e.mark.column + 1}): "
+                       "each key once") from None
     except UnicodeDecodeError as e:
         line = path.read_bytes()[:e.start].count(b"\n") + 1
         raise BadInput(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line})") from None

@@ -61,3 +61,19 @@ def test_model_unknown_key(write_yaml, tmp_path):
     p = write_yaml("m.yaml", src + "extra_thing: 1\n")
     with pytest.raises(BadInput, match="extra_thing: unknown key"):
         config.load_model(p)
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("suites:\n  smoke: {cases: []}\nsuites: {}\n", "suites", 3),  # PyYAML alone keeps the second: no suite left
+    ("suites:\n  x:\n    cases: []\n    cases: []\n", "cases", 4),
+])
+def test_a_key_given_twice_is_refused_in_one_line_naming_file_and_key(write_yaml, text, key, line):
+    path = write_yaml("dup.yaml", text)
+    with pytest.raises(BadInput) as e:
+        config.load_yaml(path)
+    assert str(e.value).startswith(f"{path}: duplicate key {key!r} (line {line}, ") and "\n" not in str(e.value)
+
+
+def test_a_merge_key_that_an_explicit_key_overrides_is_no_duplicate(write_yaml):
+    path = write_yaml("merge.yaml", "base: &b {heads: 8, seed: 1}\ncase: {<<: *b, seed: 2}\n")
+    assert config.load_yaml(path)["case"] == {"heads": 8, "seed": 2}
