@@ -62,8 +62,11 @@ def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
 
 
 def _git(repo: Path, *args) -> str | None:
-    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    return r.stdout.rstrip("\n") if r.returncode == 0 else None
+    """git's output as text, read as bytes: a checkout whose path is not UTF-8 (a folder named with byte 0xE9) gets
+    that path back from rev-parse, and a commit subject may be in another encoding; such bytes show as U+FFFD instead
+    of ending the check in a UnicodeDecodeError."""
+    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True)
+    return r.stdout.decode("utf-8", errors="replace").rstrip("\n") if r.returncode == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------ git
@@ -250,11 +253,26 @@ def _s(x):
     return x.decode() if isinstance(x, bytes) else x
 
 
+def why_no_nvml() -> str:
+    """Why gpu.load_nvml() gave None: nvidia-ml-py is not installed, or it is and NVML did not start (no driver, or
+    one it cannot talk to), with NVML's own words."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:
+        return f"NVML did not start ({type(e).__name__}: {e}; no NVIDIA driver here?)"
+    pynvml.nvmlShutdown()
+    return "NVML did not start"
+
+
 def probe_gpus(nvml, headroom_gib: float, require_gpu: bool) -> list[Probe]:
     """One probe per GPU. nvml is pynvml (or a fake with the same functions), or None."""
     missing = FAIL if require_gpu else WARN
     if nvml is None:
-        return [Probe("gpu", missing, "NVML not available (no driver or no nvidia-ml-py): GPU state not checked")]
+        return [Probe("gpu", missing, f"{why_no_nvml()}: GPU state not checked")]
     count = _call(nvml.nvmlDeviceGetCount, default=0)
     if not count:
         return [Probe("gpu", missing, "no GPU found by NVML")]

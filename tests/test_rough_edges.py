@@ -3,6 +3,7 @@ option parser's errors read as kdev's and keep --json's one document, config fil
 the CLI reference and help say what the commands do."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_kdev(*args, cwd=REPO, env=None, timeout=120) -> tuple[int, str, str]:
-    import os
-
     p = subprocess.run([sys.executable, "-m", "kdev", *args], cwd=cwd, env={**os.environ, **(env or {})},
                        capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
@@ -118,3 +117,35 @@ def test_all_refuses_a_sweep_that_does_not_exist_before_any_stage_runs(monkeypat
     r = CliRunner().invoke(app, ["all", "--sweep", "nosuch", "--json"])
     assert r.exit_code == 2 and "no sweep named 'nosuch' (have: smoke, targets" in json.loads(r.stdout)["error"], \
         r.output
+
+
+# ------------------------------------------------------------------------------------------------- deploy-check
+def test_deploy_checks_gpu_probe_says_why_nvml_is_missing(monkeypatch):
+    import types
+
+    from kdev import deploy
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: its import fails
+    (probe,) = deploy.probe_gpus(None, 8.0, require_gpu=False)
+    assert probe.status == deploy.WARN and probe.reason.startswith("nvidia-ml-py is not installed")
+
+    def no_driver():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
+    (probe,) = deploy.probe_gpus(None, 8.0, require_gpu=True)
+    assert probe.status == deploy.FAIL and "nvidia-ml-py" not in probe.reason
+    assert probe.reason.startswith("NVML did not start (RuntimeError: NVML Shared Library Not Found; no NVIDIA driver")
+
+
+def test_deploy_checks_git_probe_works_in_a_checkout_whose_path_is_not_utf8(tmp_path):
+    from kdev import deploy
+
+    repo = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9"))
+    repo.mkdir()
+    (repo / "README.md").write_text("x\n")
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "caf\xe9 \xe0 la carte"]):
+        subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args], check=True,
+                       capture_output=True)
+    probe = deploy.probe_git(repo)
+    assert probe.status == deploy.PASS and probe.details["last_commits"][0].endswith("café à la carte"), probe
