@@ -27,7 +27,7 @@ def render() -> str:
     parts += ["```", group.get_help(ctx), "```", ""]
     for name in group.list_commands(ctx):
         cmd = group.get_command(ctx, name)
-        sub = typer.Context(cmd, info_name=f"kdev {name}", parent=ctx, **settings)
+        sub = typer.Context(cmd, info_name=name, parent=ctx, **settings)  # its path: kdev NAME
         parts += [f"## kdev {name}", "", "```", cmd.get_help(sub), "```", ""]
     return "\n".join(parts)
 

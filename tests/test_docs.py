@@ -30,3 +30,21 @@ def test_every_document_a_file_cites_is_in_the_repository():
         for cited in re.findall(RETIRED, text):
             missing.append(f"{f}: {cited}")
     assert missing == []
+
+
+def test_the_cli_reference_names_each_command_as_it_is_typed():
+    text = (REPO / "docs" / "cli.md").read_text()
+    assert "kdev kdev" not in text
+    sections = re.findall(r"^## kdev (\S+)\n\n```\n(.*)$", text, flags=re.M)
+    assert sections and all(usage.startswith(f"Usage: kdev {name} ") for name, usage in sections), sections
+
+
+def test_every_command_has_a_section_in_commands_md():
+    import typer
+
+    from kdev.cli import app
+
+    group = typer.main.get_command(app)
+    text = (REPO / "docs" / "commands.md").read_text()
+    missing = [n for n in group.list_commands(None) if n != "help" and f"## `kdev {n}`" not in text]
+    assert missing == []

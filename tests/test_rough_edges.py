@@ -4,6 +4,7 @@ the CLI reference and help say what the commands do."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,28 @@ def test_deploy_checks_git_probe_works_in_a_checkout_whose_path_is_not_utf8(tmp_
                        capture_output=True)
     probe = deploy.probe_git(repo)
     assert probe.status == deploy.PASS and probe.details["last_commits"][0].endswith("café à la carte"), probe
+
+
+# --------------------------------------------------------------------------------------------------- help
+def test_kdev_help_command_prints_what_dash_h_does():
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["help", "clean"]).stdout == runner.invoke(app, ["clean", "-h"]).stdout
+    assert runner.invoke(app, ["help"]).stdout == runner.invoke(app, ["-h"]).stdout
+    r = runner.invoke(app, ["help", "nosuch"])
+    assert r.exit_code == 2 and "no command 'nosuch' (have: gen-refs, build" in r.stderr
+
+
+def test_a_placeholder_says_what_a_value_is_not_the_options_name():
+    from typer.testing import CliRunner
+
+    from kdev.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "-h"], env={"COLUMNS": "200"}).stdout
+    assert "--normalize-by BACKEND " in out and "--plot-metric METRIC " in out and "--plan-gpu GPU " in out
+    for cmd in ("verify", "bench", "plan", "e2e", "sass"):
+        out = CliRunner().invoke(app, [cmd, "-h"], env={"COLUMNS": "200"}).stdout
+        assert not re.search(r"NORMALIZE_BY|PLAN_GPU|PLOT_METRIC", out), cmd

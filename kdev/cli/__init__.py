@@ -1,8 +1,8 @@
 """kdev command line: one thin function per command (parsing, output mode, exit code); the work lives in the stage
 modules, what a person sees in kdev/cli/views.py. The commands of the loop are in kdev/cli/loop.py (gen-refs, build,
-verify, bench, ab), the rest in kdev/cli/tools.py (plan, sass, field-report, clean, deploy-check, all). Exit codes
-(docs/architecture.md §5): 0 success, 1 a check failed, 2 bad usage or input, 3 environment missing. --json prints
-exactly one JSON document on stdout; progress and logs go to stderr."""
+verify, bench, ab), the rest in kdev/cli/tools.py (plan, sass, field-report, e2e, clean, deploy-check, all, help).
+Exit codes (docs/architecture.md §5): 0 success, 1 a check failed, 2 bad usage or input, 3 environment missing. --json
+prints exactly one JSON document on stdout, an error too; progress and logs go to stderr."""
 
 from __future__ import annotations
 
@@ -101,9 +101,9 @@ ShapeOpt = typer.Option(None, "--shape", help="One shape, e.g. B=1,L=32768,N=64,
 AxisOpt = typer.Option(None, "-a", "--axis", help="Override an axis: AXIS=V1,V2 (repeatable).")
 # verify and bench: another GPU's split plan, run on this one
 PlanGpuOpt = typer.Option(
-    None, "--plan-gpu", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. rtx-pro-6000 with "
-    "flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts and workspace, "
-    "run here.")
+    None, "--plan-gpu", metavar="GPU", help="Plan the flash calls as for a GPU of configs/gpus.yaml (e.g. "
+    "rtx-pro-6000 with flash-portable: the target's kernels and split plan) or for a number of SMs: its split counts "
+    "and workspace, run here.")
 
 # verify, bench and deploy-check: the GPUs of the host (kdev/fleet.py)
 GpusOpt = typer.Option(

@@ -185,12 +185,12 @@ def bench_cmd(
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Stored result to judge against: FAST/SAME/SLOW "
                                             "(a file, or a GPU of benchmarks/index.yaml: h200)."),
     normalize_by: Optional[str] = typer.Option(
-        None, "--normalize-by", help="Judge each backend's time over this backend's (same shape, same run) "
+        None, "--normalize-by", metavar="BACKEND", help="Judge each backend's time over this backend's (same shape, same run) "
         "against the baseline's ratio: cancels clock drift between runs (e.g. naive)."),
     from_file: Optional[Path] = typer.Option(None, "--from", help="Report a stored result instead of measuring."),
     csv_out: Optional[Path] = typer.Option(None, "--csv", help="Write the results as CSV."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot (needs matplotlib)."),
-    plot_metric: str = typer.Option("time", "--plot-metric", help="time or roofline."),
+    plot_metric: str = typer.Option("time", "--plot-metric", metavar="METRIC", help="time or roofline."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     seed: int = typer.Option(0, "--seed", help="Input seed."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config (default: configs/bench.yaml)."),

@@ -1,4 +1,4 @@
-"""The commands around the loop: plan, sass, e2e, clean, deploy-check, all (see kdev/cli/__init__.py)."""
+"""The commands around the loop: plan, sass, e2e, clean, deploy-check, all, help (see kdev/cli/__init__.py)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,9 @@ def plan_cmd(
 @command
 def sass_cmd(
     kernel: Optional[str] = typer.Option(None, "--kernel",
-                                         help="Kernel name (or part of it); default: both flash kernels, or with "
-                                              "--against every kernel."),
+                                         help="Kernel name (or part of it); default: verify_attn_flash, every "
+                                              "kernel of the flash family (one table each), or with --against every "
+                                              "kernel."),
     arch: Optional[list[str]] = typer.Option(None, "--arch", help="Only these arch(s) (default: all embedded)."),
     library: Optional[str] = typer.Option(None, "--library", help="Library (or its build folder) to read (default: "
                                           "the last build); or a copy of kernels/, a git revision or a .patch of "
@@ -377,3 +378,21 @@ def all_cmd(
         views.show_stages(results)
     if code:
         raise typer.Exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------- help
+@app.command("help")
+def help_cmd(
+    ctx: typer.Context,
+    name: Optional[str] = typer.Argument(None, metavar="[COMMAND]", help="The command (default: the list of them)."),
+):
+    """What a command takes, as `kdev COMMAND -h` prints it; without COMMAND the list of commands, as `kdev -h`."""
+    group, top = ctx.parent.command, ctx.parent
+    if name is None:
+        typer.echo(group.get_help(top))
+        return
+    cmd = group.get_command(top, name)
+    if cmd is None:
+        raise typer.BadParameter(f"no command {name!r} (have: {', '.join(group.list_commands(top))})",
+                                 param_hint="COMMAND")
+    typer.echo(cmd.get_help(typer.Context(cmd, info_name=name, parent=top)))
