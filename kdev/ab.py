@@ -11,7 +11,7 @@ build is the base, and REF's change is what is judged.
 
 from __future__ import annotations
 
-from kdev import abi, bench
+from kdev import abi, bench, registry
 from kdev import build as kbuild
 from kdev import refs
 from kdev.errors import BadInput, EnvironmentMissing
@@ -105,7 +105,7 @@ def run_ab(ref: str, kernels: list[str], shapes: list, cfg, lib_path=None, fuzz:
         if fuzz:
             run = verify.run_fuzz(fuzz, seed, [base, cand], max_prefix=32768, lib_path=lib.path, log=log)
             doc["verify"].append(verify_summary(run, cand, base))
-    backends = [b for pair in zip(names, kernels) for b in pair] + ["naive"]
+    backends = [b for pair in zip(names, kernels) for b in pair] + [registry.ORACLE]
     results, prov = bench.run_bench(shapes, backends, cfg, lib, {}, seed, progress, others)
     doc["bench"] = {"provenance": prov, "results": [dict(r.__dict__) for r in results]}
     doc["verdicts"] = verdicts(doc["bench"]["results"], kernels, ref, min_change, ref_is_candidate)

@@ -17,25 +17,16 @@ from pathlib import Path
 import torch
 
 from kdev import build as kbuild
-from kdev import cabi, config, refs
-from kdev.cabi import AcceptParams, CompactParams, DDTreeBuildParams, LATENT_DIM, QK_DIM, VerifyAttnParams
+from kdev import cabi, config, refs, registry
+from kdev.cabi import LATENT_DIM, QK_DIM
 from kdev.errors import BadInput, EnvironmentMissing
 
-# flash-portable: the flash contract run by the kernels that fit sm_120's shared memory, whatever this GPU allows
-# (on an H200 the flash call takes the larger teams kernels): how the sm_120 code path is checked and timed here.
-# *-scheduled: the same kernels on the device schedule (split counts from each request's own lengths, made on the GPU by
-# kdtree_flash_schedule, which each such call here runs first: an engine makes it once per step for every layer).
-VERIFY_KERNELS = {"naive": "kdtree_verify_attn", "flash": "kdtree_verify_attn_flash",
-                  "flash-portable": "kdtree_verify_attn_flash_portable",
-                  "flash-scheduled": "kdtree_verify_attn_flash_scheduled",
-                  "flash-portable-scheduled": "kdtree_verify_attn_flash_portable_scheduled",
-                  "flash-wgmma": "kdtree_verify_attn_flash_wgmma"}
-SCHEDULED_KERNELS = ("flash-scheduled", "flash-portable-scheduled")
-FLASH_KERNELS = ("flash", "flash-portable", *SCHEDULED_KERNELS)  # the split-KV calls every build runs
-# the flash call that must run its full tiles by wgmma: what flash runs in a library built for sm_90a on an sm_90 GPU;
-# elsewhere it says unsupported, so it is on no default list
-WGMMA_KERNELS = ("flash-wgmma",)
-SPLIT_KV_KERNELS = (*FLASH_KERNELS, *WGMMA_KERNELS)  # a workspace and a split count
+# the verify calls, their entry points and kinds: kdev/registry.py (one table)
+VERIFY_KERNELS = registry.VERIFY_KERNELS
+SCHEDULED_KERNELS = registry.SCHEDULED
+SPLIT_KV_KERNELS = registry.SPLIT_KV  # a workspace and a split count
+WGMMA_KERNELS = registry.WGMMA_ONLY  # answer 4 (not on this GPU) where the loaded code has no wgmma kernel
+FLASH_KERNELS = tuple(k for k in SPLIT_KV_KERNELS if k not in WGMMA_KERNELS)  # the split-KV calls every build runs
 
 
 class KernelError(RuntimeError):
@@ -140,6 +131,8 @@ class Library:
         # a library built before an entry point existed still loads (an A/B base); calling it is refused in call()
         self.kernels = tuple(k for k, fn in VERIFY_KERNELS.items() if hasattr(L, fn))
         self.abi_version = L.kdtree_abi_version()
+        # its own header's structs (cabi.load bound it with the header it was built from), filled by field name
+        self.structs = L.kdev_contract.structs
         # ABI 7: run() fills shared memory with NaN before each launch (a library from older sources runs without it)
         self.poisons_shared_memory = hasattr(L, "kdtree_poison_shared_memory")
         self.plan_sm_count = 0  # plan_as(): every flash call planned as for a GPU of that many SMs
@@ -156,8 +149,8 @@ class Library:
         another GPU's split plan and workspace, run here. 0: this GPU's own."""
         if sm_count < 0:
             raise AbiArgumentError(f"plan_sm_count {sm_count} < 0")
-        if sm_count and self.abi_version < 2:
-            raise EnvironmentMissing(f"{self.path}: ABI {self.abi_version} has no plan_sm_count (its flash calls would "
+        if sm_count and "plan_sm_count" not in dict(self.structs["VerifyAttnParams"]._fields_):
+            raise EnvironmentMissing(f"{self.path}: its VerifyAttnParams has no plan_sm_count (its flash calls would "
                                      f"plan for this GPU regardless): rebuild with 'kdev build'")
         self.plan_sm_count = sm_count
 
@@ -174,8 +167,15 @@ class Library:
             raise KernelError(fn, status, self.last_error())
 
     # ---------------------------------------------------------------------------------------- params
+    def make(self, struct: str, **fields) -> cabi.Params:
+        """One of this library's params structs, filled by field name (cabi.make)."""
+        try:
+            return cabi.make(self.structs[struct], **fields)
+        except cabi.LoadError as e:
+            raise EnvironmentMissing(f"{self.path}: {e}") from None
+
     def params(self, x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor,
-               workspace: torch.Tensor | None = None) -> VerifyAttnParams:
+               workspace: torch.Tensor | None = None) -> cabi.Params:
         """Check every tensor against the contract and fill the params struct."""
         if not isinstance(x.q, torch.Tensor) or x.q.device.type != "cuda":
             raise AbiArgumentError(f"q: must be a CUDA tensor (got {getattr(x.q, 'device', type(x.q))})")
@@ -186,8 +186,8 @@ class Library:
             lens = (x.q_indptr[1:] - x.q_indptr[:-1]).cpu()
             max_qlen = max_qlen or int(lens.max())
             max_kv_len = max_kv_len or int((lens + x.prefix_lens.cpu()).max())
-        p = VerifyAttnParams(
-            struct_size=ctypes.sizeof(VerifyAttnParams), batch=batch, total_q=n_q, num_heads=heads,
+        p = self.make(
+            "VerifyAttnParams", batch=batch, total_q=n_q, num_heads=heads,
             max_qlen=max_qlen, mask_words=x.tree_mask.shape[1], num_pages=x.kv_cache.shape[0],
             page_size=x.kv_cache.shape[1], max_pages=x.page_table.shape[1], max_kv_len=max_kv_len,
             scale=float(x.scale), plan_sm_count=self.plan_sm_count,
@@ -200,7 +200,7 @@ class Library:
         return p
 
     def plan_params(self, prefix_lens: torch.Tensor, q_indptr: torch.Tensor, heads: int, page_size: int,
-                    max_qlen: int, max_kv_len: int) -> VerifyAttnParams:
+                    max_qlen: int, max_kv_len: int) -> cabi.Params:
         """The params of a verify call as its plan and schedule read them (kdtree.h: the shapes, the page size, the
         lengths; no queries, pool or outputs): what an engine has at the start of a decoding step, before any layer."""
         dev = prefix_lens.device
@@ -209,29 +209,29 @@ class Library:
         batch = prefix_lens.shape[0]
         if q_indptr.shape[0] != batch + 1:
             raise AbiArgumentError(f"q_indptr: {q_indptr.shape[0]} entries, expected batch + 1 = {batch + 1}")
-        return VerifyAttnParams(
-            struct_size=ctypes.sizeof(VerifyAttnParams), batch=batch, total_q=batch * max_qlen, num_heads=heads,
+        return self.make(
+            "VerifyAttnParams", batch=batch, total_q=batch * max_qlen, num_heads=heads,
             max_qlen=max_qlen, mask_words=(max_qlen + 63) // 64, page_size=page_size, max_kv_len=max_kv_len,
             plan_sm_count=self.plan_sm_count, prefix_lens=prefix_lens.data_ptr(), q_indptr=q_indptr.data_ptr())
 
-    def workspace_size(self, p: VerifyAttnParams) -> int:
+    def workspace_size(self, p: cabi.Params) -> int:
         n = ctypes.c_size_t(0)
         self._status("kdtree_verify_attn_workspace_size", self.lib.kdtree_verify_attn_workspace_size(ctypes.byref(p), ctypes.byref(n)))
         return n.value
 
-    def flash_splits(self, p: VerifyAttnParams) -> int:
+    def flash_splits(self, p: cabi.Params) -> int:
         n = ctypes.c_int(0)
         self._status("kdtree_verify_attn_flash_splits", self.lib.kdtree_verify_attn_flash_splits(ctypes.byref(p), ctypes.byref(n)))
         return n.value
 
     # ----------------------------------------------------------------------------------------- calls
-    def schedule(self, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None) -> None:
+    def schedule(self, p: cabi.Params, stream: torch.cuda.Stream | None = None) -> None:
         """Make the device schedule for p's lengths in p's workspace (kdtree_flash_schedule). Asynchronous."""
         s = stream or torch.cuda.current_stream()
         self._status("kdtree_flash_schedule", self.lib.kdtree_flash_schedule(ctypes.byref(p),
                                                                              ctypes.c_void_p(s.cuda_stream)))
 
-    def call(self, kernel: str, p: VerifyAttnParams, stream: torch.cuda.Stream | None = None,
+    def call(self, kernel: str, p: cabi.Params, stream: torch.cuda.Stream | None = None,
              schedule: bool = True) -> None:
         """Launch one verify kernel on `stream` (default: the current torch stream). Asynchronous. A scheduled kernel
         makes its schedule first unless `schedule` is false (the workspace already holds it for these lengths)."""
@@ -260,7 +260,7 @@ class Library:
         lse = torch.full((n_q, heads), float("nan"), dtype=torch.float32, device=x.q.device)
         return out, lse
 
-    def alloc_workspace(self, kernel: str, p: VerifyAttnParams, device) -> torch.Tensor | None:
+    def alloc_workspace(self, kernel: str, p: cabi.Params, device) -> torch.Tensor | None:
         if kernel not in SPLIT_KV_KERNELS:
             return None
         n = self.workspace_size(p)
@@ -377,14 +377,13 @@ class TreeKernels:
     the tensors and allocates (poisoned) outputs once; launch() runs a prepared call on the current stream
     (no allocation: what a benchmark times); build_ddtree / accept_greedy / compact_kv do both."""
 
-    FUNCTIONS = {"build": ("kdtree_build_ddtree", DDTreeBuildParams), "accept": ("kdtree_accept_greedy", AcceptParams),
-                 "compact": ("kdtree_compact_kv", CompactParams)}
+    FUNCTIONS = {"build": "kdtree_build_ddtree", "accept": "kdtree_accept_greedy", "compact": "kdtree_compact_kv"}
 
     def __init__(self, lib: Library):
         self.lib = lib
 
     def launch(self, which: str, p) -> None:
-        fn = self.FUNCTIONS[which][0]
+        fn = self.FUNCTIONS[which]
         s = torch.cuda.current_stream()
         self.lib._status(fn, getattr(self.lib.lib, fn)(ctypes.byref(p), ctypes.c_void_p(s.cuda_stream)))
 
@@ -404,10 +403,11 @@ class TreeKernels:
                for k in ("node_tokens", "parents", "depths", "positions")}
         out["tree_mask"] = torch.full((B, t, W), -1, dtype=torch.int64, device=dev)
         out["node_count"] = torch.full((B,), -7777, dtype=torch.int32, device=dev)
-        p = DDTreeBuildParams(ctypes.sizeof(DDTreeBuildParams), B, D, K, budget, W, log_probs.data_ptr(),
-                              token_ids.data_ptr(), root_tokens.data_ptr(), prefix_lens.data_ptr(),
-                              *(out[k].data_ptr() for k in ("node_tokens", "parents", "depths", "positions",
-                                                             "tree_mask", "node_count")))
+        p = self.lib.make("DDTreeBuildParams", batch=B, depth=D, topk=K, budget=budget, mask_words=W,
+                          log_probs=log_probs.data_ptr(), token_ids=token_ids.data_ptr(),
+                          root_tokens=root_tokens.data_ptr(), prefix_lens=prefix_lens.data_ptr(),
+                          **{k: out[k].data_ptr() for k in ("node_tokens", "parents", "depths", "positions",
+                                                            "tree_mask", "node_count")})
         return p, out
 
     def build_ddtree(self, *args, **kwargs) -> dict:
@@ -426,9 +426,10 @@ class TreeKernels:
         accepted = torch.full((B, T), -7777, dtype=torch.int32, device=dev)
         length = torch.full((B,), -7777, dtype=torch.int32, device=dev)
         bonus = torch.full((B,), -7777, dtype=torch.int32, device=dev)
-        p = AcceptParams(ctypes.sizeof(AcceptParams), B, T, node_tokens.data_ptr(), parents.data_ptr(),
-                         node_count.data_ptr(), target_argmax.data_ptr(), accepted.data_ptr(), length.data_ptr(),
-                         bonus.data_ptr())
+        p = self.lib.make("AcceptParams", batch=B, t_stride=T, node_tokens=node_tokens.data_ptr(),
+                          parents=parents.data_ptr(), node_count=node_count.data_ptr(),
+                          target_argmax=target_argmax.data_ptr(), accepted=accepted.data_ptr(),
+                          accept_len=length.data_ptr(), bonus_token=bonus.data_ptr())
         return p, (accepted, length, bonus)
 
     def accept_greedy(self, *args):
@@ -436,7 +437,7 @@ class TreeKernels:
         self.launch("accept", p)
         return out
 
-    def prepare_compact(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> CompactParams:
+    def prepare_compact(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> cabi.Params:
         """In place when launched: accepted node i's KV row moves to slot prefix_len + i."""
         dev = kv_cache.device
         _check("kv_cache", kv_cache, torch.bfloat16, 3, dev)
@@ -445,9 +446,10 @@ class TreeKernels:
         _i32("accept_len", accept_len, (B,), dev)
         _i32("prefix_lens", prefix_lens, (B,), dev)
         _check("page_table", page_table, torch.int32, 2, dev, 4)
-        return CompactParams(ctypes.sizeof(CompactParams), B, T, kv_cache.shape[1], page_table.shape[1],
-                             kv_cache.shape[0], kv_cache.data_ptr(), page_table.data_ptr(), prefix_lens.data_ptr(),
-                             accepted.data_ptr(), accept_len.data_ptr())
+        return self.lib.make("CompactParams", batch=B, t_stride=T, page_size=kv_cache.shape[1],
+                             max_pages=page_table.shape[1], num_pages=kv_cache.shape[0], kv_cache=kv_cache.data_ptr(),
+                             page_table=page_table.data_ptr(), prefix_lens=prefix_lens.data_ptr(),
+                             accepted=accepted.data_ptr(), accept_len=accept_len.data_ptr())
 
     def compact_kv(self, *args) -> None:
         self.launch("compact", self.prepare_compact(*args))

@@ -24,13 +24,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kdev import __version__
-from kdev import resources
+from kdev import cabi, resources
 from kdev.config import REPO_ROOT, BuildConfig, load_build
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing, KdevError
 from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, raise_if_stopped, read_json_record,
                          remove_dead_writers_temps, signals_deferred, temp_name)
 
 KERNEL_DIR = REPO_ROOT / "kernels"
+HEADER = Path("include") / "kdev" / "kdtree.h"  # the C interface, in a kernels/ tree
 LIB_NAME = "libkdtree.so"
 LATEST = "latest.json"
 MIN_ARCH = 80  # the oldest arch the kernels compile for
@@ -247,7 +248,7 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
     # a damaged record, or one from before the launch table, is rebuilt
     old = read_json_record(record, ("key", "launches", "build_info", "resources", "embedded", "problems"))
     if not force and lib.is_file() and old is not None:
-        if old["key"] == key:
+        if old["key"] == key and _header_beside_is(folder, old["build_info"]):
             launches, gate_changed = old["launches"], old.get("gate") != resources.gate_settings(cfg)
             if gate_changed:
                 # build.yaml's gate changed since this build (the key holds only what the compile depends on): the
@@ -298,10 +299,13 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
             raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); {detail}")
         # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
         # would get that one back from the loader
-        launches = resources.flash_launches(tmp_lib, cfg)
+        header = kernel_dir / HEADER
+        launches = resources.flash_launches(tmp_lib, cfg, header)
         os.chmod(tmp_lib, normal_mode(executable=True))  # mkstemp's 0600: a server's account could not load it
         raise_if_stopped()  # a stop that library code swallowed: the build is not put in place
-        os.replace(tmp_lib, lib)
+        with signals_deferred():  # the library and the header it binds with are put in place together
+            atomic_write_bytes(folder / cabi.HEADER_BESIDE, header.read_bytes())
+            os.replace(tmp_lib, lib)
     finally:
         if tmp_lib is not None:
             Path(tmp_lib).unlink(missing_ok=True)
@@ -322,6 +326,15 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         _point_latest(cfg, res)
     return res
 
+
+
+def _header_beside_is(folder: Path, info: dict) -> bool:
+    """Whether the build folder holds the header its library was built from (cabi.library_contract binds with it)."""
+    beside = folder / cabi.HEADER_BESIDE
+    try:
+        return beside.is_file() and hashlib.sha256(beside.read_bytes()).hexdigest() == cabi.header_sha256_of(info)
+    except OSError:
+        return False
 
 
 def _write_record(record: Path, res: BuildResult, cfg: BuildConfig) -> None:

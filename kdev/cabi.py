@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class Contract:
     structs: dict            # name -> ctypes.Structure subclass, fields in the header's order
     functions: dict          # name -> (restype, [argtypes])
     variant_functions: frozenset  # the names only a variant's library exports (#ifdef KDTREE_VARIANT_EXPORTS)
+    arg_names: dict = None   # name -> (argument names, in order)
+    sha256: str = ""         # of the header's bytes
 
 
 def _parse_constants(raw: str) -> tuple[dict, dict]:
@@ -120,11 +123,11 @@ def _arg_type(decl: str, structs: dict, where: str):
     raise HeaderError(f"{HEADER.name}: {where}: type {decl!r} is not one this reader maps")
 
 
-def _parse_functions(text: str, structs: dict) -> dict:
-    functions = {}
+def _parse_functions(text: str, structs: dict) -> tuple[dict, dict]:
+    functions, names = {}, {}
     for m in re.finditer(r"^([\w ]+?\**)\s*(kdtree_\w+)\(([^)]*)\);", text, flags=re.M | re.S):
         ret, name, args = m.groups()
-        argtypes = []
+        argtypes, argnames = [], []
         for a in (x.strip() for x in args.replace("\n", " ").split(",")):
             if a == "void":
                 continue
@@ -132,28 +135,40 @@ def _parse_functions(text: str, structs: dict) -> dict:
             if decl is None:
                 raise HeaderError(f"{HEADER.name}: {name}: cannot read the argument {a!r}")
             argtypes.append(_arg_type(decl.group(1), structs, f"{name}({decl.group(2)})"))
+            argnames.append(decl.group(2))
         functions[name] = (_arg_type(ret, structs, f"{name} (return)"), argtypes)
+        names[name] = tuple(argnames)
     if not functions:
         raise HeaderError(f"{HEADER.name}: no kdtree_* prototypes found")
-    return functions
+    return functions, names
+
+
+def read_contract(header: Path = HEADER) -> Contract:
+    """The contract a header states (parsed once per distinct text: a library's own header is read beside it)."""
+    try:
+        data = header.read_bytes()
+        raw = data.decode("utf-8")
+    except OSError as e:
+        raise HeaderError(f"{header}: cannot read the C interface: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise HeaderError(f"{header}: not UTF-8 text") from None
+    return _contract_of(raw, hashlib.sha256(data).hexdigest())
 
 
 @functools.lru_cache(maxsize=None)
-def read_contract(header: Path = HEADER) -> Contract:
-    try:
-        raw = header.read_text(encoding="utf-8")
-    except OSError as e:
-        raise HeaderError(f"{header}: cannot read the C interface: {e.strerror}") from None
+def _contract_of(raw: str, sha256: str) -> Contract:
     constants, status = _parse_constants(raw)
     text = _strip_comments(raw)
     structs = _parse_structs(text)
     variant = "".join(re.findall(r"^#ifdef KDTREE_VARIANT_EXPORTS\n(.*?)^#endif", text, flags=re.M | re.S))
-    return Contract(constants, status, structs, _parse_functions(text, structs),
-                    frozenset(re.findall(r"\b(kdtree_\w+)\(", variant)))
+    functions, arg_names = _parse_functions(text, structs)
+    return Contract(constants, status, structs, functions, frozenset(re.findall(r"\b(kdtree_\w+)\(", variant)),
+                    arg_names, sha256)
 
 
 CONTRACT = read_contract()
 C = CONTRACT.constants
+ABI_VERSION = C["KDTREE_ABI_VERSION"]
 STATUS = CONTRACT.status
 OK, ERR_INVALID, ERR_CUDA = C["KDTREE_OK"], C["KDTREE_ERR_INVALID"], C["KDTREE_ERR_CUDA"]
 ERR_WORKSPACE, ERR_UNSUPPORTED = C["KDTREE_ERR_WORKSPACE"], C["KDTREE_ERR_UNSUPPORTED"]
@@ -214,38 +229,84 @@ class LoadError(RuntimeError):
     """The library does not load, or its ABI does not match this binding."""
 
 
-# Arguments a function gained at an ABI version: (function, the version, the argument's index). A library from before
-# it is typed without that argument (an A/B base or a variant of older kernels/ is loaded beside today's library).
-ADDED_ARGUMENTS = (("kdtree_flash_launch_plan", 6, 4),)  # wgmma_built
+Params = ctypes.Structure  # the type of a params struct of one library's binding (make's result)
+HEADER_BESIDE = "kdtree.h"  # `kdev build` keeps the header a library was built from beside it, under this name
 
 
-def takes_added_argument(lib: ctypes.CDLL, name: str) -> bool:
-    """Whether the library's `name` takes the argument ADDED_ARGUMENTS lists for it (built at that ABI version or
-    later)."""
-    version = lib.kdtree_abi_version() if hasattr(lib, "kdtree_abi_version") else 0
-    return all(version >= since for fn, since, _ in ADDED_ARGUMENTS if fn == name)
+def make(struct: type, **fields) -> Params:
+    """A params struct of `struct` (one library's binding) filled by field name, struct_size set. A field its header
+    does not declare is refused unless its value is 0 or None (a field that came later, left at its default): an
+    argument is never put in another field's place."""
+    names = {name for name, _ in struct._fields_}
+    known = {name for name, _ in CONTRACT.structs[struct.__name__]._fields_}
+    unknown = [k for k in fields if k not in names | known]
+    if unknown:  # a name no header of this checkout declares: a caller's mistake, never dropped
+        raise TypeError(f"{struct.__name__} has no field {unknown[0]!r} (kdtree.h)")
+    missing = [k for k, v in fields.items() if k not in names and v not in (0, None, False)]
+    if missing:
+        raise LoadError(f"{struct.__name__} of this library's kdtree.h has no field {missing[0]!r}: rebuild with "
+                        f"'kdev build'")
+    return struct(struct_size=ctypes.sizeof(struct), **{k: v for k, v in fields.items() if k in names})
 
 
-def load(path: str | Path) -> ctypes.CDLL:
-    """The library at `path` with every kdtree_* function the header declares (and the library exports) typed. A
-    library from older sources may lack some: hasattr() says which. Raises LoadError where it does not load or where
-    its VerifyAttnParams is another size than the header's."""
+def header_sha256_of(info: dict) -> str | None:
+    """The sha256 of the kdtree.h a library was built from, as its build record (kdtree_build_info) states it."""
+    return next((d for rel, d in (info.get("sources") or {}).items() if rel.endswith("include/kdev/kdtree.h")), None)
+
+
+def library_contract(lib: ctypes.CDLL, path: Path, header: Path | None = None) -> Contract:
+    """The contract of the header the library was built from: the one `kdev build` kept beside it (or `header`, a
+    build's own before its library is in place), whose sha256 must be the one the library's build record states (a
+    header of another build is refused, never bound)."""
+    header = path.parent / HEADER_BESIDE if header is None else Path(header)
+    if not hasattr(lib, "kdtree_build_info"):
+        raise LoadError(f"{path}: exports no kdtree_build_info: not a kdev library")
+    lib.kdtree_build_info.restype = ctypes.c_char_p
     try:
-        lib = ctypes.CDLL(str(Path(path).resolve()))  # a bare name would be looked up on the loader's path
+        built = header_sha256_of(json.loads(lib.kdtree_build_info().decode()))
+    except ValueError as e:
+        raise LoadError(f"{path}: its build record is not readable: {e}") from None
+    if built is None:
+        raise LoadError(f"{path}: its build record names no kdtree.h: rebuild with 'kdev build'")
+    if not header.is_file():
+        raise LoadError(f"{path}: no {HEADER_BESIDE} beside it (the C interface it was built with): rebuild with "
+                        f"'kdev build'")
+    try:
+        contract = read_contract(header)
+    except HeaderError as e:
+        raise LoadError(str(e)) from None
+    if contract.sha256 != built:
+        raise LoadError(f"{path} was built from kdtree.h {built[:12]}, but {header} is {contract.sha256[:12]}: "
+                        f"rebuild with 'kdev build'")
+    return contract
+
+
+def load(path: str | Path, header: Path | None = None) -> ctypes.CDLL:
+    """The library at `path`, every kdtree_* function its own header declares (and it exports) typed by that header
+    (library_contract: kept beside it at build time, checked against the sha256 the library states), the contract on
+    `lib.kdev_contract`. Raises LoadError where it does not load, where its header is missing or another build's, or
+    where its VerifyAttnParams is another size than its header's."""
+    path = Path(path)
+    try:
+        lib = ctypes.CDLL(str(path.resolve()))  # a bare name would be looked up on the loader's path
     except OSError as e:
         raise LoadError(f"{path}: does not load: {e}") from None
-    for name, (restype, argtypes) in CONTRACT.functions.items():
+    contract = library_contract(lib, path, header)
+    for name, (restype, argtypes) in contract.functions.items():
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.restype, fn.argtypes = restype, argtypes
-    for name, _, index in ADDED_ARGUMENTS:
-        fn = getattr(lib, name, None)
-        if fn is not None and not takes_added_argument(lib, name):
-            fn.argtypes = [t for i, t in enumerate(fn.argtypes) if i != index]
-    if hasattr(lib, "kdtree_params_size") and lib.kdtree_params_size() != ctypes.sizeof(VerifyAttnParams):
+    lib.kdev_contract = contract
+    params = contract.structs["VerifyAttnParams"]
+    if hasattr(lib, "kdtree_params_size") and lib.kdtree_params_size() != ctypes.sizeof(params):
         raise LoadError(f"{path}: VerifyAttnParams is {lib.kdtree_params_size()} B in the library, "
-                        f"{ctypes.sizeof(VerifyAttnParams)} B in kdtree.h: rebuild with 'kdev build'")
+                        f"{ctypes.sizeof(params)} B in its kdtree.h: rebuild with 'kdev build'")
     return lib
+
+
+def takes_argument(lib: ctypes.CDLL, function: str, argument: str) -> bool:
+    """Whether the library's `function` takes `argument`, by its own header's prototype."""
+    return argument in (lib.kdev_contract.arg_names.get(function) or ())
 
 
 def last_error(lib: ctypes.CDLL) -> str:

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdev import cabi
+from kdev import cabi, registry
 from kdev.config import _arch_ok, _Reader, load_yaml
 from kdev.errors import BadInput
 from kdev.fsutil import read_json_record
@@ -53,8 +53,8 @@ def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
     cfg = DeployConfig(
         target_arch=target or configured_target,
         required_suites=tuple(r.get("required_suites", list, ["smoke"])),
-        required_kernels=tuple(r.get("required_kernels", list, ["naive", "flash"])),
-        proxy_kernels=tuple(r.get("proxy_kernels", list, ["flash-portable"])),
+        required_kernels=tuple(r.get("required_kernels", list, [registry.ORACLE, registry.HOPPER])),
+        proxy_kernels=tuple(r.get("proxy_kernels", list, [registry.PORTABLE])),
         memory_headroom_gib=r.get("memory_headroom_gib", float, 8.0),
         max_ledger_age_days=r.get("max_ledger_age_days", float, 14.0))
     r.done()

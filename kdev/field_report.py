@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kdev import build as kbuild
 from kdev import gpu as kgpu
+from kdev import registry
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import atomic_write_bytes
 
@@ -49,12 +50,12 @@ def steps(arch: str, fuzz: int, sweep: str, sanitizer: str | None) -> list[Step]
     out = [Step("build", ("build", "--arch", arch, "--json"), 1800),
            Step("verify", ("verify", "--suite", "smoke", "--json"), 900, case_list=True),
            Step("ceilings", ("bench", "--ceilings", "--json"), 1800),
-           Step("bench", ("bench", "--sweep", sweep, "-a", "page_size=1,64", "--backend", "flash,flash-portable",
+           Step("bench", ("bench", "--sweep", sweep, "-a", "page_size=1,64", "--backend", ",".join(registry.PRODUCTS.values()),
                           "--json"), 3600),
            Step("fuzz", ("verify", "--fuzz", str(fuzz), "--json"), 3600, case_list=True)]
     if sanitizer:
         cases = tuple(arg for case in SANITIZER_CASES for arg in ("--case", case))
-        out += [Step(f"sanitizer-{tool}", ("verify", "--suite", "smoke", *cases, "--kernel", "flash,flash-portable",
+        out += [Step(f"sanitizer-{tool}", ("verify", "--suite", "smoke", *cases, "--kernel", ",".join(registry.PRODUCTS.values()),
                                            "--json"), 1800, (sanitizer, "--tool", tool, "--error-exitcode", "1"),
                      case_list=True)
                 for tool in SANITIZER_TOOLS]

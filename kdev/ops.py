@@ -16,10 +16,10 @@ On CPU tensors it runs the float64 / exact reference (kdev/mla.py, kdev/ddtree.p
 a GPU. Each op has a fake implementation (shapes and dtypes only) for torch.compile: the op is one node of the graph,
 no break around it. Arguments are checked as the CLI checks them (abi.check_inputs: one line, AbiArgumentError).
 
-`kernel` picks the verify kernel: "flash" (default), "flash-portable", "naive", or a scheduled one ("flash-scheduled",
-"flash-portable-scheduled"). `max_qlen` / `max_kv_len` are the host bounds the flash plan needs; 0 computes them from
-the tensors (a device-to-host read: pass them under graph capture). In verify_attn a scheduled kernel makes its
-device schedule in each call; verify_attn_with_workspace takes a workspace that verify_schedule made for these lengths
+`kernel` picks the verify call by its name in kdev/registry.py: "flash" (the default, Hopper's product) or
+"flash-portable" (sm_120's), both on the device schedule; "naive" (the oracle) and the host-planned references.
+`max_qlen` / `max_kv_len` are the call's bounds; 0 computes them from the tensors (a device-to-host read: pass them
+under graph capture). In verify_attn a scheduled call makes its device schedule in each call; verify_attn_with_workspace takes a workspace that verify_schedule made for these lengths
 instead: an engine makes the schedule once per decoding step and every layer's call reads it (the calls write their
 partials into the same workspace, one after the other on the stream). Importing this module registers the ops.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kdev import abi, cabi, ddtree, mla
+from kdev import abi, cabi, ddtree, mla, registry
 
 _LIBRARY: list = []  # the library the CUDA ops run, loaded on first use (abi.load_library: built for this GPU)
 
@@ -92,14 +92,15 @@ def _outputs_like(q):
 # strip trailing default arguments from a call (None among them) then index the mutated one past the call's end.
 @torch.library.custom_op("kdev::verify_attn", mutates_args=())
 def verify_attn(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, prefix_lens: torch.Tensor,
-                q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = "flash",
+                q_indptr: torch.Tensor, tree_mask: torch.Tensor, scale: float, kernel: str = registry.DEFAULT,
                 max_qlen: int = 0, max_kv_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return _verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel, max_qlen,
                         max_kv_len, None)
 
 
 @verify_attn.register_fake
-def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel="flash", max_qlen=0, max_kv_len=0):
+def _(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale, kernel=registry.DEFAULT, max_qlen=0,
+      max_kv_len=0):
     return _outputs_like(q)
 
 

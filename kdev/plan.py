@@ -27,7 +27,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kdev import bench, cabi
+from kdev import bench, cabi, registry
 from kdev.resources import launch_plan_entry
 from kdev.build import runs_on
 from kdev.config import REPO_ROOT, WGMMA_ARCH, GpuSpec, load_gpus
@@ -38,9 +38,10 @@ BLOCK_M, BLOCK_N, NARROW_ROWS = cabi.BLOCK_M, cabi.BLOCK_N, cabi.NARROW_ROWS  # 
 THREADS = cabi.FLASH_THREADS
 RESERVED_SMEM = 1024  # shared memory the runtime reserves per block (sm_80+)
 KV_ROW_BYTES = cabi.QK_DIM * 2
-CALLS = ("flash", "flash-portable")
+CALLS = (registry.HOPPER, registry.PORTABLE)  # the products' calls (kdev/registry.py)
 MAX_SPLITS_ASKED = 2 * cabi.MAX_SPLITS  # past the combine's cap: the library answers infinity there
-PLAN_ABI = 5  # kdtree_abi_version from which the plan functions take the page size (and the schedule plan the bounds)
+PLAN_FUNCTIONS = ("kdtree_flash_plan", "kdtree_flash_split_cost", "kdtree_flash_schedule_plan",
+                  "kdtree_flash_launch_time")  # called here with this checkout's arguments
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -149,9 +150,14 @@ class PlanLibrary:
         self.launch_plan = launch_plan_entry(L, error=BadInput)
         if not hasattr(L, "kdtree_flash_plan") or self.launch_plan is None:
             raise EnvironmentMissing(f"{path}: built from sources without kdtree_flash_plan: run 'kdev build'")
-        if L.kdtree_abi_version() < PLAN_ABI:  # its plan functions take other arguments (kdtree.h's, ABI history)
-            raise EnvironmentMissing(f"{path}: ABI {L.kdtree_abi_version()} plans without the page size (ABI "
-                                     f"{PLAN_ABI} needed): run 'kdev build'")
+        # the calls below pass this checkout's arguments: a library whose own header declares the plan functions
+        # otherwise (an older build) is refused, not called with arguments in the wrong places
+        other = [f for f in PLAN_FUNCTIONS if hasattr(L, f)
+                 and L.kdev_contract.arg_names.get(f) != cabi.CONTRACT.arg_names.get(f)]
+        if other:
+            raise EnvironmentMissing(f"{path}: its {other[0]} takes other arguments than this checkout's kdtree.h "
+                                     f"declares (ABI {L.kdtree_abi_version()}, here {cabi.ABI_VERSION}): run "
+                                     f"'kdev build'")
         # a library from before the planner's costs were exposed still plans; only --costs needs the entry
         self.has_costs = hasattr(L, "kdtree_flash_split_cost")
         self.lib, self.path = L, path
@@ -237,10 +243,16 @@ class PlanLibrary:
         return {"k": k.value, "splits": list(splits), "narrow_splits": list(narrow), "ctas": ctas.value,
                 "narrow_ctas": narrow_ctas.value, "model_tokens": tokens.value, "host_plan": bool(at_bounds.value)}
 
-    def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool) -> dict:
-        # the wgmma kernel's code is in a library built for sm_90a, which an sm_90 GPU runs
-        archs = self.build_info.get("archs", [])
-        wgmma_built = WGMMA_ARCH in archs and runs_on([WGMMA_ARCH], gpu.arch.rstrip("a"))
+    def wgmma_built(self, gpu: GpuSpec, archs: list[str] | None = None) -> bool:
+        """Whether code built for `archs` (this library's by default) holds the wgmma kernel that the flash call runs
+        on `gpu`: a build for sm_90a, which an sm_90 GPU runs."""
+        archs = self.build_info.get("archs", []) if archs is None else archs
+        return WGMMA_ARCH in archs and runs_on([WGMMA_ARCH], gpu.arch.rstrip("a"))
+
+    def kernels(self, gpu: GpuSpec, tensor_copy: bool, portable: bool, wgmma: bool | None = None) -> dict:
+        """The kernels a call launches on `gpu`; `wgmma` says whether the code holds the wgmma kernel (None: this
+        library's, from its archs; a measured call says what its own library held)."""
+        wgmma_built = self.wgmma_built(gpu) if wgmma is None else wgmma
         return self.launch_plan(gpu.major, gpu.smem_per_block_optin, tensor_copy, portable, wgmma_built)
 
     def ctas_per_sm(self, kernel: str, dynamic_smem: int, gpu: GpuSpec) -> int:
@@ -324,13 +336,15 @@ def launch_bounds(shape: bench.Shape) -> tuple[int, int]:
     return shape.bounds or (shape.prefix + shape.T, shape.T)
 
 
-def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "flash") -> ShapePlan:
-    """The plain call's launch at the shape's bounds (launch_bounds); the KV it reads and the floor are the shape's own."""
+def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = registry.HOPPER,
+               wgmma: bool | None = None) -> ShapePlan:
+    """The plain call's launch at the shape's bounds (launch_bounds); the KV it reads and the floor are the shape's own.
+    `wgmma`: whether the code holds the wgmma kernel (PlanLibrary.kernels; None: this library's)."""
     T, H, B, L = shape.T, shape.heads, shape.batch, shape.prefix
     kv_len, t_bound = launch_bounds(shape)
     p = lib.split_plan(B, B * T, H, t_bound, kv_len, shape.page_size, gpu)
     tensor_copy = gpu.major >= 9 and shape.page_size >= cabi.TENSOR_COPY_MIN_PAGE
-    k = lib.kernels(gpu, tensor_copy, call == "flash-portable")
+    k = lib.kernels(gpu, tensor_copy, call == registry.PORTABLE, wgmma)
     narrow = 1 if p["narrow_splits"] else 0
     full_tiles = p["row_tiles"] - narrow
     per_sm = lib.ctas_per_sm(k["full"], k["full_smem"], gpu)
@@ -367,7 +381,8 @@ def plan_shape(lib: PlanLibrary, shape: bench.Shape, gpu: GpuSpec, call: str = "
         schedule=lib.schedule_plan(shape, sizes, gpu) if shape.requests or shape.bounds else None)
 
 
-def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = "flash", costs: bool = False) -> dict:
+def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = registry.HOPPER,
+         costs: bool = False) -> dict:
     if call not in CALLS:
         raise BadInput(f"--call {call!r}: one of {', '.join(CALLS)}")
     plans = [plan_shape(lib, s, gpu, call) for s in shapes]

@@ -98,6 +98,13 @@ def _read_loops(library: Path) -> dict[tuple[str, str], Loop]:
     return out
 
 
+def loop_of(loops: dict, arch: str, name: str) -> Loop | None:
+    """The kernel's loop in the code a GPU of `arch` runs: its own arch's SASS, else its arch-specific form's (an
+    sm_90a build, which holds sm_90's mma.sync kernels as well as the wgmma kernel)."""
+    arch = arch.rstrip("a")
+    return loops.get((arch, name)) or loops.get((arch + "a", name))
+
+
 @dataclass(frozen=True)
 class Rates:
     """One corner of a GPU's rates: every figure a number (a range's low or high end, or its middle)."""
@@ -219,8 +226,10 @@ def dram_share(plan: kplan.ShapePlan, rates: Rates, reuse: bool = True) -> float
 
 
 def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, gpu: GpuSpec, call: str,
-                  k: Constants, rates: Rates, l2_reuse: bool = True, cluster: int = 1) -> ShapeProjection:
-    p = kplan.plan_shape(planner, shape, gpu, call)
+                  k: Constants, rates: Rates, l2_reuse: bool = True, cluster: int = 1,
+                  wgmma: bool | None = None) -> ShapeProjection:
+    """`wgmma`: whether the code holds the wgmma kernel (None: the planner's library; a measured point: its own)."""
+    p = kplan.plan_shape(planner, shape, gpu, call, wgmma)
     if p.ctas_per_sm != 1:
         raise BadInput(f"{shape.name}: {p.full_kernel} fits {p.ctas_per_sm} CTAs per SM on {gpu.name}: the model "
                        f"(and the planner's schedule) takes one")
@@ -230,7 +239,12 @@ def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, g
     clock = rates.clock_mhz  # cycles per microsecond
 
     def kernel(name: str, ctas: int, splits: int, cold: bool) -> KernelProjection:
-        loop = loops.get((arch, name))
+        loop = loop_of(loops, arch, name)
+        if loop is None and any(a.rstrip("a") == arch for a, _ in loops):
+            # the code is there, but its loop is not one the model prices (the wgmma kernel's HGMMA)
+            raise BadInput(f"{gpu.name}: the {call} call of this library runs {name}, whose main loop has no HMMA: "
+                           f"the projection prices mma.sync loops only (--call flash-portable, or a library built "
+                           f"for {arch}: kdev build --arch {arch})")
         if loop is None:
             raise EnvironmentMissing(f"the library has no {arch} SASS of {name} with an HMMA loop: kdev build --arch {arch}")
         tiles = max(kplan.split_tiles(kv_len, splits))
@@ -278,6 +292,7 @@ class Point:
     call: str
     us: float
     source: str
+    archs: tuple = ()  # the archs of the library that timed it: whether its flash call ran the wgmma kernel
 
 
 def _with_run(gpu: GpuSpec, clock: float | None, flops: float | None, bytes_per_s: float | None) -> GpuSpec:
@@ -302,6 +317,7 @@ def points_from_bench(doc: dict, where: str) -> list[Point]:
     """The flash products' medians of a kdev bench result (or a field report's bench part)."""
     prov = doc.get("provenance") or {}
     gpu = _gpu_named((prov.get("gpu") or {}).get("name", "?"), where)
+    archs = tuple((prov.get("build_info") or {}).get("archs") or ())
     ceil = prov.get("ceilings") or {}
     out = []
     for r in doc.get("results", []):
@@ -312,7 +328,9 @@ def points_from_bench(doc: dict, where: str) -> list[Point]:
         clock = float(np.median(clocks)) if clocks else None
         axes = {k: v for k, v in r["axes"].items() if k in bench.Shape.__dataclass_fields__}
         out.append(Point(_with_run(gpu, clock, ceil.get("flops"), ceil.get("bytes_per_s")), bench.Shape(**axes),
-                         r["backend"], float(t["median_us"]), where))
+                         r["backend"], float(t["median_us"]), where, archs))
+    if out and not archs:
+        raise BadInput(f"{where}: its provenance names no build archs: which kernels its calls ran is not known")
     return out
 
 
@@ -321,6 +339,7 @@ def points_from_table(path: Path) -> list[Point]:
     top = _Reader(load_yaml(path), path, "")
     gpu = _gpu_named(top.get("gpu", str), str(path))
     top.get("commit", str)
+    archs = tuple(top.get("archs", list))  # the build that timed them (whether flash ran the wgmma kernel)
     clock = top.get("clock_mhz", (int, float))
     c = top.sub("ceilings")
     flops, gbps = c.get("tflops", (int, float)) * 1e12, c.get("gbps", (int, float)) * 1e9
@@ -333,7 +352,7 @@ def points_from_table(path: Path) -> list[Point]:
         axes = {k: row[k] for k in ("batch", "prefix", "budget", "heads", "page_size") if k in row}
         for call in kplan.CALLS:
             if call in row:
-                out.append(Point(run_gpu, bench.Shape(**axes), call, float(row[call]), str(path)))
+                out.append(Point(run_gpu, bench.Shape(**axes), call, float(row[call]), str(path), archs))
     top.done()
     return out
 
@@ -426,7 +445,10 @@ class Model:
 
     def predict(self, point: Point, k: Constants) -> float:
         rates = corner(rate_table(point.gpu), point.gpu, {})
-        return project_shape(self.planner, self.loops, point.shape, point.gpu, point.call, k, rates).us
+        # the kernels the point's own build ran: a call timed before the wgmma kernel existed ran mma.sync
+        wgmma = self.planner.wgmma_built(point.gpu, list(point.archs))
+        return project_shape(self.planner, self.loops, point.shape, point.gpu, point.call, k, rates,
+                             wgmma=wgmma).us
 
     def fit(self, points: list[Point], start: Constants, family: str, files: tuple) -> Constants:
         """Least relative squares over (efficiency, cta_cycles, call_us): Levenberg-Marquardt with a numeric Jacobian

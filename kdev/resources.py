@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdev import cabi
+from kdev import cabi, registry
 from kdev.config import WGMMA_ARCH, BuildConfig
 from kdev.errors import CheckFailed
 
@@ -120,12 +120,12 @@ def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
     """The loaded library's kdtree_flash_launch_plan (L from cabi.load) as ask(major, smem_optin, tensor_copy, portable,
     wgmma_built) -> {full, full_smem, narrow, narrow_smem}: which kernels the flash (or portable) call launches on such
     a GPU from code with the wgmma kernel or without, and the dynamic shared memory per block of each. A refusal raises
-    `error` with the library's message. None for a library without the entry point; a library before ABI 6 (no
-    wgmma_built argument) is asked without it."""
+    `error` with the library's message. None for a library without the entry point; one whose own header declares it
+    without wgmma_built (an older build) is asked without it."""
     fn = getattr(L, "kdtree_flash_launch_plan", None)
     if fn is None:
         return None
-    takes_wgmma = cabi.takes_added_argument(L, "kdtree_flash_launch_plan")  # cabi.load typed an older one without it
+    takes_wgmma = cabi.takes_argument(L, "kdtree_flash_launch_plan", "wgmma_built")  # ABI 6 added it
 
     def ask(major: int, smem_optin: int, tensor_copy: bool, portable: bool, wgmma_built: bool = False) -> dict:
         full, full_smem, narrow, narrow_smem = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_char_p(), ctypes.c_int()
@@ -138,13 +138,13 @@ def launch_plan_entry(L: ctypes.CDLL, error: type = CheckFailed):
     return ask
 
 
-def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
+def flash_launches(lib: Path | str, cfg: BuildConfig, header: Path | None = None) -> list[dict] | None:
     """What the flash calls launch on each arch of cfg and the dynamic shared memory per block each kernel takes
     (which the ptxas report cannot show: it is set at launch), by the library's own rule (kdtree_flash_launch_plan,
     the launcher's choice, asked with the arch's opt-in limit from build.yaml): one row per arch and kernel, with the
     calls that launch it. None for a library from sources without that entry point."""
     try:
-        L = cabi.load(lib)
+        L = cabi.load(lib, header)
     except cabi.LoadError as e:  # what verify and bench would meet too: the build is not usable
         raise CheckFailed(f"the built library does not load: {e}") from None
     ask = launch_plan_entry(L)
@@ -158,7 +158,7 @@ def flash_launches(lib: Path | str, cfg: BuildConfig) -> list[dict] | None:
         for portable in (False, True):
             for tensor_copy in ((True, False) if major >= 9 else (False,)):
                 k = ask(major, limit, tensor_copy, portable, wgmma_built=arch == WGMMA_ARCH)
-                call = (("flash-portable" if portable else "flash")
+                call = ((registry.PORTABLE if portable else registry.HOPPER)
                         + (" (pages >= 32)" if tensor_copy else " (pages < 32)" if major >= 9 else ""))
                 for kernel, smem in ((k["full"], k["full_smem"]), (k["narrow"], k["narrow_smem"])):
                     row = rows.setdefault((arch, kernel), {"arch": arch, "kernel": kernel, "dynamic_smem": smem,

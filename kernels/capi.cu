@@ -174,7 +174,7 @@ extern "C" {
 // kdtree_flash_schedule_plan take the page size; kdtree_flash_schedule_plan takes the call's bounds too.
 // 6: kdtree_flash_launch_plan takes wgmma_built (whether the code holds the wgmma kernel).
 // 7: kdtree_poison_shared_memory.
-int kdtree_abi_version(void) { return 7; }
+int kdtree_abi_version(void) { return KDTREE_ABI_VERSION; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
 

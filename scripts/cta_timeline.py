@@ -111,7 +111,7 @@ def _read_on_gpu(library: str, shape: str, calls: int) -> np.ndarray:
 
     import torch
 
-    from kdev import abi, bench
+    from kdev import abi, bench, registry
     from kdev.errors import EnvironmentMissing
 
     if not torch.cuda.is_available():
@@ -123,7 +123,7 @@ def _read_on_gpu(library: str, shape: str, calls: int) -> np.ndarray:
     # typed by kdev/cabi.py from kdtree.h's variant exports, as every entry point is
     (s,) = bench.expand(bench.load_bench(), None, [shape], None)
     x, _, _ = bench.make_inputs(s, 0, torch.device("cuda"))
-    runner = bench.AbiRunner(lib, "flash", x)
+    runner = bench.AbiRunner(lib, registry.HOST_PLAN_OF[registry.DEFAULT], x)  # the plain launch the probe times
     buf = np.zeros((PROBE_RECORDS, RECORD_WORDS), dtype=np.uint64)
     n = ctypes.c_int(0)
     read(buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), buf.shape[0], ctypes.byref(n))  # drop earlier records

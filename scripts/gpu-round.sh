@@ -86,7 +86,7 @@ fi
 FUZZ=200 SWEEP=smoke SKIP_TESTS=0 SANITIZE=0 BASELINE= BACKENDS= NORMALIZE= DEPLOY=0 ONLY_DEPLOY=0 GRAPH=0
 PROFILES=() LOOP_PROFILES=() ONLY_PROFILE=0 PROFILE_KERNEL='verify_attn_flash_(teams_|wgmma_)?kernel' PROFILE_BACKEND=flash STEP_TIMEOUT=600 HUNG= KERNEL_TIMES= AB_KERNELS= AB_LIB=
 VARIANTS=() PATCHES=() TIMELINES=() TIMELINE_TREE= AXIS_ARGS=()
-VERIFY_KERNELS=naive,flash,flash-portable,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
+VERIFY_KERNELS=naive,flash,flash-portable,flash-hostplan,flash-portable-hostplan,ddtree,accept,compact  # what the smoke, sanitizer and fuzz steps verify
 # the deploy target (configs/gpus.yaml): flash-portable is also verified with its split plan (kdev verify --plan-gpu)
 TARGET_GPU=rtx-pro-6000
 while [ $# -gt 0 ]; do

@@ -95,6 +95,18 @@ def both_archs(tmp_path_factory):
     return cfg, kbuild.build(cfg)
 
 
+@pytest.fixture(scope="session")
+def default_build(tmp_path_factory):
+    """(BuildConfig, BuildResult) of the build `kdev build` makes (configs/build.yaml: its archs and flags, sm_90a and
+    sm_120) from the current sources into a temporary folder (needs nvcc)."""
+    if not HAVE_NVCC:
+        pytest.skip("nvcc not found")
+    c = kconfig.load_build(None, None)
+    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("b") / "build", False, c.smem_limit_bytes,
+                              c.path)
+    return cfg, kbuild.build(cfg)
+
+
 @pytest.fixture
 def write_yaml(tmp_path):
     def write(name: str, text: str) -> Path:

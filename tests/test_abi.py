@@ -62,12 +62,12 @@ def test_params_struct_matches_library_and_cpu_tensors_refused(case, sm90_librar
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # built from the current sources: no stale warning
         lib = abi.Library(sm90_library)
-    assert lib.lib.kdtree_params_size() == ctypes.sizeof(abi.VerifyAttnParams) and lib.max_qlen == 1025
+    assert lib.lib.kdtree_params_size() == ctypes.sizeof(lib.structs["VerifyAttnParams"]) and lib.max_qlen == 1025
     x, out, lse = _inputs(case)
     with pytest.raises(abi.AbiArgumentError, match="q: must be a CUDA tensor"):
         lib.params(x, out, lse)
     with pytest.raises(abi.AbiArgumentError, match="unknown verify kernel"):
-        lib.call("fastest", abi.VerifyAttnParams())
+        lib.call("fastest", lib.make("VerifyAttnParams"))
 
 
 def test_library_without_an_entry_point_loads_and_refuses_that_kernel(monkeypatch, sm90_library):
@@ -78,24 +78,28 @@ def test_library_without_an_entry_point_loads_and_refuses_that_kernel(monkeypatc
     lib = abi.Library(sm90_library)
     assert "flash-next" not in lib.kernels and "flash-portable" in lib.kernels
     with pytest.raises(abi.AbiArgumentError, match="has no flash-next kernel .* older sources"):
-        lib.call("flash-next", abi.VerifyAttnParams())
+        lib.call("flash-next", lib.make("VerifyAttnParams"))
 
 
-def test_plan_as_another_gpu_needs_abi_2(sm90_library):
-    """plan_as(N) puts N into every call's params.plan_sm_count; a library of ABI 1 (whose field of that place was
-    `reserved` and ignored) would plan for this GPU regardless, so asking it is refused, not silently dropped."""
+def test_plan_as_another_gpu_needs_a_params_struct_with_plan_sm_count(sm90_library):
+    """plan_as(N) puts N into every call's params.plan_sm_count; a library whose own header has no such field (ABI 1,
+    whose field of that place was `reserved` and ignored) would plan for this GPU regardless, so asking it is refused,
+    not silently dropped."""
     lib = abi.Library(sm90_library)
-    assert lib.abi_version >= 2 and lib.plan_sm_count == 0
+    assert lib.plan_sm_count == 0
     lib.plan_as(188)
     assert lib.plan_sm_count == 188
     with pytest.raises(abi.AbiArgumentError, match="plan_sm_count -1 < 0"):
         lib.plan_as(-1)
-    lib.abi_version = 1
+    fields = [f for f in lib.structs["VerifyAttnParams"]._fields_ if f[0] != "plan_sm_count"]
+    lib.structs = {**lib.structs, "VerifyAttnParams": type("VerifyAttnParams", (ctypes.Structure,),
+                                                           {"_fields_": fields})}
     from kdev.errors import EnvironmentMissing
 
-    with pytest.raises(EnvironmentMissing, match="ABI 1 has no plan_sm_count"):
+    with pytest.raises(EnvironmentMissing, match="has no plan_sm_count"):
         lib.plan_as(188)
     lib.plan_as(0)  # this GPU's own plan: every ABI
+    assert not hasattr(lib.make("VerifyAttnParams", batch=1, plan_sm_count=0), "plan_sm_count")
 
 
 def test_stale_library_warns(monkeypatch, sm90_library):

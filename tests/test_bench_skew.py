@@ -47,7 +47,7 @@ def test_a_batch_is_judged_against_its_requests_alone():
     s = engine()[2]
 
     def result(shape, us):
-        return {"shape": shape.name, "backend": "flash", "axes": dataclasses.asdict(shape),
+        return {"shape": shape.name, "backend": "flash-hostplan", "axes": dataclasses.asdict(shape),
                 "timing": {"median_us": us}}
 
     alone = {a.name: 10.0 * (i + 1) for i, a in enumerate(s.alone())}
@@ -133,7 +133,7 @@ def test_a_replay_is_judged_against_its_twin():
     from kdev.bench.verdicts import CAPTURE_BOUND, judge_capture
 
     s = replay()[0]
-    rows = [{"shape": x.name, "backend": "flash-scheduled", "axes": dataclasses.asdict(x),
+    rows = [{"shape": x.name, "backend": "flash", "axes": dataclasses.asdict(x),
              "timing": {"median_us": t}} for x, t in ((s, 104.0), (s.own(), 100.0))]
     (k,) = judge_capture(rows)
     assert (k["ratio"], k["within"], k["own_shape"]) == (1.04, True, s.own().name)

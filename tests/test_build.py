@@ -1,6 +1,7 @@
 """kdev build without a GPU: both archs, the resource report, provenance, cache hit and rebuild, errors."""
 
 import ctypes
+import hashlib
 import json
 import re
 import shutil
@@ -12,7 +13,7 @@ import pytest
 
 from kdev import abi
 from kdev import build as kbuild
-from kdev import config, refs, resources
+from kdev import cabi, config, refs, resources
 from kdev.errors import CheckFailed, EnvironmentMissing
 
 needs_nvcc = pytest.mark.nvcc
@@ -90,14 +91,24 @@ def test_launch_plan_entry_point_refuses_what_no_gpu_runs(both_archs):
         assert lib.kdtree_flash_launch_plan(*flags, *args) == 0 and b"wgmma" not in full.value, flags
 
 
-def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
+def _older_library(tmp_path, source: str, header_text: str) -> Path:
+    """A library of older sources, as `kdev build` leaves one: `source` compiled with a build record that states the
+    sha256 of `header_text`, which is kept beside it."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
+    digest = hashlib.sha256(header_text.encode()).hexdigest()
+    info = json.dumps({"sources": {"kernels/include/kdev/kdtree.h": digest}})
     src = tmp_path / "old.c"
-    src.write_text('const char* kdtree_last_error(void) { return ""; }\n')
+    src.write_text(source + f'const char* kdtree_build_info(void) {{ return {json.dumps(info)}; }}\n')
     lib = tmp_path / "libold.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    (tmp_path / "kdtree.h").write_text(header_text)
+    return lib
+
+
+def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
+    lib = _older_library(tmp_path, 'const char* kdtree_last_error(void) { return ""; }\n', cabi.HEADER.read_text())
     assert resources.flash_launches(lib, config.load_build()) is None
     (tmp_path / "broken.so").write_bytes(b"not a library")
     with pytest.raises(CheckFailed, match="does not load"):
@@ -105,20 +116,17 @@ def test_launch_table_of_a_library_from_older_sources_is_none(tmp_path):
 
 
 def test_a_library_before_abi_6_is_asked_its_launches_without_the_wgmma_argument(tmp_path):
-    """A variant of older kernels/ (an A/B base) has the launch-plan entry point without wgmma_built: asked in its own
-    form (an argument too many would be read as its first output pointer)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    src = tmp_path / "abi5.c"
-    src.write_text('int kdtree_abi_version(void) { return 5; }\n'
-                   'const char* kdtree_last_error(void) { return ""; }\n'
-                   'int kdtree_flash_launch_plan(int major, int smem, int tc, int portable, const char** full,\n'
-                   '                             int* full_smem, const char** narrow, int* narrow_smem) {\n'
-                   '  *full = portable ? "k_portable" : "k_flash"; *full_smem = 1000 * major + tc;\n'
-                   '  *narrow = "k_narrow"; *narrow_smem = 7; return 0; }\n')
-    lib = tmp_path / "libabi5.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    """A variant of older kernels/ (an A/B base) has the launch-plan entry point without wgmma_built, as its own header
+    (kept beside it) declares it: asked in that form (an argument too many would be read as its first output
+    pointer)."""
+    old_header = cabi.HEADER.read_text().replace("int portable, int wgmma_built,", "int portable,")
+    assert old_header != cabi.HEADER.read_text()
+    lib = _older_library(tmp_path, 'int kdtree_abi_version(void) { return 5; }\n'
+                         'const char* kdtree_last_error(void) { return ""; }\n'
+                         'int kdtree_flash_launch_plan(int major, int smem, int tc, int portable, const char** full,\n'
+                         '                             int* full_smem, const char** narrow, int* narrow_smem) {\n'
+                         '  *full = portable ? "k_portable" : "k_flash"; *full_smem = 1000 * major + tc;\n'
+                         '  *narrow = "k_narrow"; *narrow_smem = 7; return 0; }\n', old_header)
     rows = resources.flash_launches(lib, config.load_build(None, ["sm_90a"]))
     # one row per kernel, from its first ask (tensor copies): major 9 and tensor_copy 1 read where they stand
     assert {(r["kernel"], r["dynamic_smem"]) for r in rows} == {("k_flash", 9001), ("k_portable", 9001), ("k_narrow", 7)}

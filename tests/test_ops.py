@@ -77,18 +77,18 @@ def test_the_schedule_op_on_cpu_and_a_call_that_reads_it(case):
     L = int((t["prefix_lens"] + t["q_indptr"][1:] - t["q_indptr"][:-1]).max())
     heads = t["q"].shape[1]
     ws = torch.ops.kdev.verify_schedule(t["prefix_lens"], t["q_indptr"], heads, t["kv_cache"].shape[1],
-                                        "flash-scheduled", T, L)
+                                        "flash", T, L)
     assert ws.dtype == torch.uint8 and ws.numel() == 0
-    out, lse = torch.ops.kdev.verify_attn_with_workspace(*_args(case), "flash-scheduled", T, L, ws)
+    out, lse = torch.ops.kdev.verify_attn_with_workspace(*_args(case), "flash", T, L, ws)
     want_out, want_lse = torch.ops.kdev.verify_attn(*_args(case))
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     torch.library.opcheck(torch.ops.kdev.verify_schedule.default,
-                          (t["prefix_lens"], t["q_indptr"], heads, 64, "flash-scheduled", T, L),
+                          (t["prefix_lens"], t["q_indptr"], heads, 64, "flash", T, L),
                           test_utils=("test_schema", "test_faketensor"))
-    with pytest.raises(abi.AbiArgumentError, match="a schedule is made for flash-scheduled or flash-portable-sch"):
-        torch.ops.kdev.verify_schedule(t["prefix_lens"], t["q_indptr"], heads, 64, "flash", T, L)
+    with pytest.raises(abi.AbiArgumentError, match="a schedule is made for flash or flash-portable$"):
+        torch.ops.kdev.verify_schedule(t["prefix_lens"], t["q_indptr"], heads, 64, "flash-hostplan", T, L)
     with pytest.raises(abi.AbiArgumentError, match="bounds 0 / 70: a schedule needs the call's bounds"):
-        torch.ops.kdev.verify_schedule(t["prefix_lens"], t["q_indptr"], heads, 64, "flash-scheduled", 0, 70)
+        torch.ops.kdev.verify_schedule(t["prefix_lens"], t["q_indptr"], heads, 64, "flash", 0, 70)
 
 
 def test_a_step_schedule_is_made_by_the_first_layer_of_each_forward(monkeypatch, case):
@@ -97,14 +97,14 @@ def test_a_step_schedule_is_made_by_the_first_layer_of_each_forward(monkeypatch,
     monkeypatch.setattr(ops, "_schedule_bytes", lambda *a: made.append(a[2]) or real(*a))
     t = case.tensors
     lens = (t["prefix_lens"], t["q_indptr"])
-    step = ops.StepSchedule("flash-portable-scheduled")
+    step = ops.StepSchedule("flash-portable")
     for forward in range(3):
         for layer in range(4):
             assert step.workspace(layer, *lens, 8, 64, 17, 400) is not None
         assert len(made) == forward + 1  # layer 0 made it, layers 1-3 read it
     step.workspace(1, *lens, 16, 64, 17, 400)  # other heads: a schedule of their own
     assert made == [8, 8, 8, 16] and step.made[0] == 0
-    plain = ops.StepSchedule("flash")
+    plain = ops.StepSchedule("flash-hostplan")
     assert plain.workspace(0, *lens, 8, 64, 17, 400) is None and len(made) == 4
 
 

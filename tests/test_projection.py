@@ -152,6 +152,33 @@ def test_plan_project_prints_each_targets_range_and_bound_at_page_sizes_1_and_64
     assert s["low_us"] > flops / 504e12 * 1e6
 
 
+def test_the_readme_projection_runs_on_the_default_build(default_build):
+    """`kdev plan --gpu rtx-pro-6000 --project` on what `kdev build` makes (sm_90a + sm_120): the fit's Hopper points
+    were timed by sm_90 builds (mma.sync), and the sm_90a build holds those kernels too. Hopper's flash call there runs
+    the wgmma kernel, which the model does not price: refused in one line, and the portable call projects."""
+    assert "sm_90a" in default_build[0].archs
+    lib = str(default_build[1].library)
+    r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--project", "--library", lib, "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["call"] == "flash" and doc["fit"]["fit_max_error"] < 0.05
+    assert doc["fit"]["held_out_max_error"] < doc["fit"]["tolerance"]
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--project", "--library", lib])
+    assert r.exit_code == 2 and "wgmma" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--call", "flash-portable", "--project", "--library", lib,
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_point_is_priced_with_the_kernels_its_own_build_ran(model):
+    """A Hopper point timed by an sm_90a build ran the wgmma kernel (not priced); by an sm_90 build, mma.sync."""
+    gpu, k = kplan.resolve_gpu("h200"), P.load_config().start
+    shape = targets(budget=64, batch=1, prefix=32768)[0]
+    assert model.predict(P.Point(gpu, shape, "flash", 0.0, "synthetic", ("sm_90",)), k) > 0
+    with pytest.raises(BadInput, match="no HMMA"):
+        model.predict(P.Point(gpu, shape, "flash", 0.0, "synthetic", ("sm_90a",)), k)
+
+
 def synthetic_report(model, tmp_path, scale: float, fake_nvml):
     """A field report as kdev field-report writes one (its steps faked), from an RTX PRO 6000 whose calls took `scale` x
     the projection."""
@@ -167,7 +194,8 @@ def synthetic_report(model, tmp_path, scale: float, fake_nvml):
                                        "sm_clock_mhz": [2418, 2418]}})
     # its ceilings measured at its clock: the vendor's rate per SM and clock
     flops = gpu.flops / gpu.ceilings_clock_mhz * 2418
-    bench_doc = {"provenance": {"gpu": {"name": gpu.name}, "ceilings": {"flops": flops, "bytes_per_s": gpu.bytes_per_s}},
+    bench_doc = {"provenance": {"gpu": {"name": gpu.name}, "ceilings": {"flops": flops, "bytes_per_s": gpu.bytes_per_s},
+                                "build_info": {"archs": ["sm_120"]}},
                  "results": results}
 
     def runner(step):  # every step passes; the bench step prints the document above

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kdev import registry
+
 from kdev.bench.ceilings import floor_ceiling, load_ceilings
 from kdev.bench.measure import measure
 from kdev.bench.runners import make_inputs, make_runner
@@ -85,13 +87,13 @@ def run_bench(shapes: list[Shape], backends: list[str], cfg: BenchConfig, lib, p
         if ceil:
             tc, tm = flops / floor_ceiling(ceil)["flops"], nbytes / ceil["bytes_per_s"]
             floor, bound = max(tc, tm) * 1e6, "compute" if tc >= tm else "memory"
-        oracle = make_runner("naive", x, lib, peers)
+        oracle = make_runner(registry.ORACLE, x, lib, peers)
         oracle.run()
         torch.cuda.synchronize()
         ref_out, ref_lse = oracle.out.float().clone(), oracle.lse.clone()  # the oracle is timed (poisoned) too
         for name in backends:
             try:
-                runner = make_runner(name, x, lib, peers, others) if name != "naive" else oracle
+                runner = make_runner(name, x, lib, peers, others) if name != registry.ORACLE else oracle
                 runner.run()
                 torch.cuda.synchronize()
             except Exception as e:

@@ -7,6 +7,7 @@ import importlib
 
 import numpy as np
 
+from kdev import registry
 from kdev.bench.sweeps import Shape
 from kdev.config import LATENT_DIM, QK_DIM
 from kdev.errors import BadInput
@@ -103,8 +104,8 @@ class LayerRunner(AbiRunner):
         self.lib.call(self.kernel, self.p, schedule=False)
 
 
-# the per-layer backends: the scheduled kernel each times without its schedule
-LAYER_BACKENDS = {"flash-scheduled-layer": "flash-scheduled", "flash-portable-scheduled-layer": "flash-portable-scheduled"}
+# the per-layer backends: the scheduled call each times without its schedule (made once per step, for every layer)
+LAYER_BACKENDS = registry.LAYER_BACKENDS
 
 
 def _gathered(x):

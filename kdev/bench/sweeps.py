@@ -7,14 +7,14 @@ import itertools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kdev import cabi
+from kdev import cabi, registry
 from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, TREE_KINDS, Tolerance, _Reader, load_yaml
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets", "capture")
 STRING_AXES = ("tree", "requests", "budgets", "capture")
-ATTENTION_BACKENDS = ("flash", "flash-portable", "flash-scheduled", "flash-portable-scheduled", "flash-scheduled-layer",
-                      "flash-portable-scheduled-layer", "flash-wgmma", "naive", "triton", "torch-eager", "torch-sdpa",
+# the verify calls (kdev/registry.py), each scheduled one also timed without its schedule (-layer), and the peers
+ATTENTION_BACKENDS = (*registry.VERIFY_KERNELS, *registry.LAYER_BACKENDS, "triton", "torch-eager", "torch-sdpa",
                       "torch-flex")
 TREE_BACKENDS = ("ddtree-build", "accept", "compact")  # the decoding round's other kernels
 # a backend's lse (fp32, natural log) against the naive oracle's, where the backend returns one
@@ -212,7 +212,7 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
                             cos_diff=tol.get("cos_diff", float, d.tolerance.cos_diff)))
     tol.done()
     m.done()
-    backends = tuple(top.get("backends", list, ["flash", "naive", "torch-eager", "torch-sdpa"]))
+    backends = tuple(top.get("backends", list, [registry.DEFAULT, registry.ORACLE, "torch-eager", "torch-sdpa"]))
     sw = top.sub("sweeps")
     top.done()
     sweeps, sweep_backends, targets_us, min_speedup, target_gpu = {}, {}, {}, {}, {}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+from kdev import registry
 from kdev.bench.sweeps import AXES, BenchConfig, Shape
 
 
 # ------------------------------------------------------------------------------------------- reporting
-def speedups(results: list[dict], reference: str = "flash") -> dict:
+def speedups(results: list[dict], reference: str = registry.DEFAULT) -> dict:
     """(shape, backend) -> time(backend) / time(reference) for backends that agreed."""
     by = {(r["shape"], r["backend"]): r for r in results}
     out = {}
@@ -31,7 +32,7 @@ def judge_targets(results: list[dict], cfg: BenchConfig, gpu_name: str | None = 
     timed = {(r["shape"], r["backend"]): r["timing"]["median_us"] for r in results if r.get("timing")}
     rows = []
     for backend in dict.fromkeys(r["backend"] for r in results):
-        if backend == "naive":
+        if backend == registry.ORACLE:
             continue
         row = {"backend": backend, "met": [], "missed": [], "fast_enough": [], "too_slow": [], "wanted_speedups": [],
                "targets_set_for": [], "indicative": False}
@@ -47,7 +48,7 @@ def judge_targets(results: list[dict], cfg: BenchConfig, gpu_name: str | None = 
                 if set_for is not None and set_for not in row["targets_set_for"]:
                     row["targets_set_for"].append(set_for)
                 row["indicative"] |= set_for is not None and set_for != gpu_name
-            wanted, naive = cfg.min_naive_speedup.get(shape), timed.get((shape, "naive"))
+            wanted, naive = cfg.min_naive_speedup.get(shape), timed.get((shape, registry.ORACLE))
             if wanted is not None and naive is not None:
                 if wanted not in row["wanted_speedups"]:
                     row["wanted_speedups"].append(wanted)

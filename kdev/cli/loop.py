@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kdev import report
+from kdev import registry, report
 from kdev.cli import AxisOpt, GpusOpt, JsonOpt, PlanGpuOpt, ShapeOpt, WorkerTimeoutOpt, app, check_device, command
 from kdev.cli import kernel_list, run_on_gpus, split_archs, write_json_file
 from kdev.cli import views
@@ -95,14 +95,11 @@ def build_cmd(
 def verify_cmd(
     ctx: typer.Context,
     suite: str = typer.Option("smoke", "--suite", help="Suite name (under vectors/) or path of a suite folder."),
-    kernel: str = typer.Option("naive,flash,flash-portable", "--kernel",
-                               help="Comma-separated kernels: naive, flash, flash-portable (attention: flash-portable is the "
-                                    "flash call run by the kernels that fit sm_120's shared memory), flash-scheduled and "
-                                    "flash-portable-scheduled (the same on the device schedule), flash-wgmma (the full "
-                                    "tiles by wgmma: a library built for sm_90a, the default on Hopper); ddtree, accept, "
-                                    "compact; "
-                                    "KERNEL@REF: that kernel of another build (a library, a copy of kernels/, a git "
-                                    "revision, a .patch of kernels/), compared with the first kernel, bits too."),
+    kernel: str = typer.Option(",".join(registry.VERIFIED_BY_DEFAULT), "--kernel",
+                               help="Comma-separated kernels. Attention: " + registry.describe() + ". The DDTree "
+                                    "kernels: ddtree, accept, compact. KERNEL@REF: that kernel of another build (a "
+                                    "library, a copy of kernels/, a git revision, a .patch of kernels/), compared with "
+                                    "the first kernel, bits too."),
     case: Optional[list[str]] = typer.Option(None, "--case", help="Only these cases (repeatable)."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Run each kernel N times; outputs must be bit-identical."),
     fuzz: int = typer.Option(0, "--fuzz", min=0, help="Instead of a suite: N fresh random cases."),
@@ -167,13 +164,12 @@ def bench_cmd(
                                         "default), targets, engine, replay, small-trees, ddtree, tree-kernels, grid."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,
-    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml): "
-                                          "flash, flash-portable, flash-scheduled, flash-portable-scheduled (the device "
-                                          "schedule, made in each timed call; -layer: made once, as every layer of a "
-                                          "step reads it), flash-wgmma (sm_90a builds), naive, triton, torch-eager, "
-                                          "torch-sdpa, "
-                                          "torch-flex, and for the "
-                                          "tree-kernels sweep ddtree-build, accept, compact; "
+    backend: Optional[str] = typer.Option(None, "--backend", help="Comma-separated backends (default: bench.yaml). "
+                                          "The verify calls (" + registry.describe() + "): a scheduled call makes "
+                                          "its schedule in each timed call, and " + ", ".join(registry.LAYER_BACKENDS)
+                                          + " time it made once, as every layer of a step reads it; the peers triton, "
+                                          "torch-eager, torch-sdpa, torch-flex; for the tree-kernels sweep "
+                                          "ddtree-build, accept, compact; "
                                           "KERNEL@REF times that kernel of another build in the same run (REF: a library, "
                                           "a copy of kernels/, a git revision or a .patch of kernels/)."),
     peer: Optional[list[str]] = typer.Option(None, "--peer", help="External implementation module:function (repeatable)."),
@@ -232,8 +228,8 @@ def ab_cmd(
                                           "copy of kernels/, or a library or its build folder."),
     candidate: Optional[str] = typer.Option(None, "--candidate", help="Instead: the candidate build, judged against "
                                             "this one as the base; also a patch of kernels/ (variants/NAME.patch)."),
-    kernel: str = typer.Option("flash", "--kernel", help="Comma-separated kernels to compare: naive, flash, "
-                               "flash-portable."),
+    kernel: str = typer.Option(registry.DEFAULT, "--kernel", help="Comma-separated kernels to compare: "
+                               + ", ".join(registry.VERIFY_KERNELS) + "."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Named sweep in bench.yaml (default: targets)."),
     shape: Optional[list[str]] = ShapeOpt,
     axis: Optional[list[str]] = AxisOpt,

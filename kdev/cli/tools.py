@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kdev import report
+from kdev import registry, report
 from kdev.cli import AxisOpt, GpusOpt, JsonOpt, ParameterSource, ShapeOpt, app, command, split_archs, views
 from kdev.errors import EXIT_CHECK_FAILED, BadInput, EnvironmentMissing
 
@@ -22,7 +22,8 @@ def plan_cmd(
         None, "--gpu", help="A GPU of configs/gpus.yaml (e.g. rtx-pro-6000, h200); default: the GPU here, else the "
         "deploy target's (configs/deploy.yaml target_arch)."),
     sms: Optional[int] = typer.Option(None, "--sms", help="Plan for this many SMs instead of the GPU's."),
-    call: str = typer.Option("flash", "--call", help="flash or flash-portable (the kernels within sm_120's 99 KB)."),
+    call: str = typer.Option(registry.HOPPER, "--call", help=f"{registry.HOPPER} or {registry.PORTABLE} (the kernels "
+                             "within sm_120's 99 KB)."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to ask (default: "
                                            "the last build)."),
     config: Optional[Path] = typer.Option(None, "--config", help="Bench config for --sweep (default: configs/bench.yaml)."),
@@ -180,9 +181,8 @@ def e2e_cmd(
                                "each, the same prompts and references."),
     page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the latent cache."),
     backend: str = typer.Option("reference", "--backend", help="The verify attention: reference (float64: every "
-                                "difference fails), naive, flash, flash-portable, flash-scheduled, "
-                                "flash-portable-scheduled (bf16 kernels, CUDA; the scheduled ones make their schedule "
-                                "once per forward)."),
+                                "difference fails), or a verify call (bf16 kernels, CUDA; a scheduled one makes its "
+                                "schedule once per forward): " + registry.describe() + "."),
     depth: int = typer.Option(8, "--depth", help="Drafter depths after the root."),
     topk: int = typer.Option(4, "--topk", help="Drafter tokens per depth."),
     agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),
@@ -257,7 +257,7 @@ def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, bac
         raise BadInput("--acceptance needs --attention (a kdev bench result over the budgets)")
     costs = deploy.load_step_costs(step_costs or deploy.default_step_costs())
     curve, source = deploy.load_acceptance(acceptance)
-    kernel = "flash" if backend == "reference" else backend
+    kernel = registry.DEFAULT if backend == "reference" else backend
     times, timed_on = deploy.load_attention(attention, batch, prefix, costs.heads // costs.tensor_parallel, kernel)
     if timed_on != costs.gpu_name:
         report.warn(f"the verify attention was timed on {timed_on}, the step costs are for {costs.gpu_name}: "

@@ -234,7 +234,7 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
             counts[(L, n, a, b)] += 1
         parts = ", ".join(f"{c} x ({L:,} + {n}: {a} split{'s' * (a > 1)}"
                           + (f", tail {b} narrow" if b else "") + ")" for (L, n, a, b), c in counts.items())
-        report.show(f"{p['shape']}: the device schedule (flash-scheduled) takes k = {s['k']}: {parts}; "
+        report.show(f"{p['shape']}: the device schedule (the flash calls') takes k = {s['k']}: {parts}; "
                     f"{s['ctas']} full-tile + {s['narrow_ctas']} narrow CTAs, model {s['model_tokens']:,} tokens a SM; "
                     f"the host plan {p['splits']} split{'s' * (p['splits'] > 1)} for every request")
     big = doc["largest_workspace"]

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdev import cabi, mla
+from kdev import cabi, mla, registry
 
-BACKENDS = ("reference", "naive", "flash", "flash-portable", "flash-scheduled", "flash-portable-scheduled")
+BACKENDS = ("reference", *(k for k in registry.VERIFY_KERNELS if k not in registry.WGMMA_ONLY))  # float64, or a call
 
 
 class PagedLatentCache:

@@ -21,9 +21,9 @@ def model_and_refs():
     return settings, model, run.references(model, prompts, settings)
 
 
-@pytest.mark.parametrize("kernel,graph", [("flash", False), ("flash-portable", False), ("flash", True),
-                                          ("flash-portable", True), ("flash-scheduled", False),
-                                          ("flash-scheduled", True)])
+@pytest.mark.parametrize("kernel,graph", [("flash-hostplan", False), ("flash-portable-hostplan", False), ("flash-hostplan", True),
+                                          ("flash-portable-hostplan", True), ("flash", False),
+                                          ("flash", True)])
 def test_kernels_in_the_loop_emit_greedys_tokens_but_for_bf16_near_ties(model_and_refs, kernel, graph):
     """Eagerly (each stage timed), and with each budget's verify forward captured in a CUDA graph and replayed every
     round (as a server runs it)."""

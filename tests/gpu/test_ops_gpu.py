@@ -14,7 +14,7 @@ def case():
     return cases.generate_case(config.load_suite("smoke").cases[3])
 
 
-@pytest.mark.parametrize("kernel", ["flash", "flash-portable", "naive"])
+@pytest.mark.parametrize("kernel", ["flash-hostplan", "flash-portable-hostplan", "naive"])
 def test_the_op_gives_the_direct_calls_bits_and_replays_in_a_graph(lib, case, kernel):
     x = abi.VerifyInputs.from_case(case.tensors, case.scale, "cuda")
     want_out, want_lse = lib.run(kernel, x)
@@ -43,7 +43,7 @@ def test_the_op_gives_the_direct_calls_bits_and_replays_in_a_graph(lib, case, ke
     assert torch.equal(g_out.view(torch.int16), ref_out.view(torch.int16))
 
 
-@pytest.mark.parametrize("kernel", ["flash-scheduled", "flash-portable-scheduled"])
+@pytest.mark.parametrize("kernel", ["flash", "flash-portable"])
 def test_one_step_schedule_read_by_several_layers_eagerly_and_in_a_replayed_graph(lib, case, kernel):
     """As an engine makes the call: verify_schedule once (kdev.ops.StepSchedule: by the first layer), then every layer's
     verify_attn with that workspace. Each layer's output has the bits of the call that makes its own schedule; in a

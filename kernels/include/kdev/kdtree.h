@@ -27,6 +27,12 @@
 #include <stdint.h>
 
 /* ------------------------------------------------------------------------------------------- the contract */
+/* The version of this interface (kdtree_abi_version returns it). A library is bound only with the header it was built
+ * from: `kdev build` keeps this file beside the library, and the sha256 of its bytes is in kdtree_build_info's
+ * "sources". History: 2 plan_sm_count; 3 the narrow row tiles' own split count; 4 the device schedule; 5 the page size
+ * to the plan functions; 6 wgmma_built to kdtree_flash_launch_plan; 7 kdtree_poison_shared_memory; 8 this constant,
+ * and the header kept beside the library. */
+#define KDTREE_ABI_VERSION 8
 #define KDTREE_LATENT_DIM 512   /* c_kv: the value row, and the first part of a query / key row */
 #define KDTREE_ROPE_DIM 64      /* k_pe / q_pe: the rest of a query / key row */
 #define KDTREE_QK_DIM 576       /* KDTREE_LATENT_DIM + KDTREE_ROPE_DIM */
@@ -146,7 +152,7 @@ typedef struct CompactParams {
 
 /* ------------------------------------------------------------------------------------------- entry points */
 /* Library facts. */
-int kdtree_abi_version(void);            /* 7 */
+int kdtree_abi_version(void);            /* KDTREE_ABI_VERSION */
 size_t kdtree_params_size(void);         /* sizeof(VerifyAttnParams) */
 int kdtree_max_qlen(void);               /* KDTREE_MAX_QLEN */
 const char* kdtree_last_error(void);     /* the calling thread's last message ("" after a success) */
