@@ -175,3 +175,25 @@ def test_a_placeholder_says_what_a_value_is_not_the_options_name():
     for cmd in ("verify", "bench", "plan", "e2e", "sass"):
         out = CliRunner().invoke(app, [cmd, "-h"], env={"COLUMNS": "200"}).stdout
         assert not re.search(r"NORMALIZE_BY|PLAN_GPU|PLOT_METRIC", out), cmd
+
+
+# -------------------------------------------------------------------------------------------------- build
+def test_the_build_table_marks_a_kernel_that_is_an_empty_stub_on_an_arch(capsys):
+    import types
+
+    from kdev.cli import views
+
+    def row(kernel, arch, registers, smem=0):
+        return {"kernel": kernel, "arch": arch, "registers": registers, "spill_stores": 0, "spill_loads": 0,
+                "stack_frame": 0, "smem": smem, "wgmma_serialized": ""}
+
+    resources = [row("verify_attn_flash_wgmma_kernel", "sm_90a", 215), row("verify_attn_flash_wgmma_kernel", "sm_120", 4),
+                 row("accept_greedy_kernel", "sm_90a", 8), row("accept_greedy_kernel", "sm_120", 8)]
+    res = types.SimpleNamespace(resources=resources, folder=Path("kdtree-sm_90a-sm_120-0"), launches=[],
+                                embedded={"sass": ["sm_90a", "sm_120"], "ptx": []}, cached=True, seconds=0.0,
+                                build_info={"source_hash": "0" * 12, "git_sha": None, "nvcc_version": "13.0"},
+                                library=Path("libkdtree.so"), problems=[])
+    views.show_build(res, verbose=False)
+    out = capsys.readouterr().out
+    assert "215 / 4*" in out and "8 / 8 " in out and "8*" not in out
+    assert "* an empty stub there, never launched on that arch (sm_120: 1 kernel)" in out

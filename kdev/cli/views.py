@@ -45,6 +45,13 @@ def show_suite_written(suite: str, folder, manifest: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- build
+def is_empty_stub(r: dict) -> bool:
+    """A kernel ptxas compiled with no body on r's arch (its code guarded by __CUDA_ARCH__): what ptxas reports for an
+    empty kernel, 4 registers and nothing else (a kernel with a single store already takes 8)."""
+    return (r["registers"] <= 4 and not r["spill_stores"] and not r["spill_loads"] and not r["stack_frame"]
+            and not r["smem"])
+
+
 def show_build(res, verbose: bool) -> None:
     """ptxas resources one row per kernel (its archs side by side), the flash calls' dynamic shared memory, the
     embedded archs and the library's provenance; then the gate's problems."""
@@ -57,11 +64,23 @@ def show_build(res, verbose: bool) -> None:
     def per_arch(rs: dict, key: str) -> str:
         return " / ".join(str(rs[a][key]) if a in rs else "-" for a in archs)
 
-    rows = [[k, per_arch(rs, "registers"), per_arch(rs, "spill_stores"), per_arch(rs, "spill_loads"),
+    def registers(rs: dict) -> str:  # an empty stub's 4 marked, not read as a kernel that fits in 4 registers
+        return " / ".join("-" if a not in rs else f"{rs[a]['registers']}*" if is_empty_stub(rs[a])
+                          else str(rs[a]["registers"]) for a in archs)
+
+    rows = [[k, registers(rs), per_arch(rs, "spill_stores"), per_arch(rs, "spill_loads"),
              per_arch(rs, "stack_frame"), per_arch(rs, "smem")] for k, rs in by_kernel.items()]
     report.show(report.table(f"ptxas resources ({res.folder.name}), each column {' / '.join(archs)}",
                              ["kernel", "regs", "spill st", "spill ld", "stack", "smem"], rows,
                              {"left": ("kernel",)}))
+    stubs: dict = {}
+    for r in shown:
+        if is_empty_stub(r):
+            stubs.setdefault(r["arch"], []).append(r["kernel"])
+    if stubs:
+        report.show("* an empty stub there, never launched on that arch (" + ", ".join(
+            f"{a}: {len(ks)} kernel{'s' * (len(ks) > 1)}" for a, ks in stubs.items()) + "): its body is compiled only "
+            "for archs with what it needs (wgmma: sm_90a; the teams kernels' shared memory: more than sm_120's 99 KB)")
     hidden = [r for r in res.resources if r not in shown]
     if hidden:
         spills = sum(bool(r["spill_stores"] or r["spill_loads"]) for r in hidden)
