@@ -48,3 +48,11 @@ def test_every_command_has_a_section_in_commands_md():
     text = (REPO / "docs" / "commands.md").read_text()
     missing = [n for n in group.list_commands(None) if n != "help" and f"## `kdev {n}`" not in text]
     assert missing == []
+
+
+def test_the_readme_states_what_the_set_up_needs():
+    requires = re.search(r'^requires-python = ">=(\d+\.\d+)"', (REPO / "pyproject.toml").read_text(), flags=re.M)
+    readme = (REPO / "README.md").read_text()
+    setup = readme[readme.index("## Set up"):readme.index("## The loop")]
+    assert requires and f"Python {requires.group(1)} or newer" in setup
+    assert "`nvcc`" in setup and "without a GPU" in setup
