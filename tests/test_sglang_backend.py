@@ -1,5 +1,6 @@
-"""kdev's SGLang backend on the CPU, with stand-ins for SGLang's objects (its hooks' names and arguments as read at
-sgl-project/sglang 43681aaa768047065d50fb746c884077a44ed505): the verify inputs gathered on the device agree with the
+"""kdev's SGLang backend on the CPU without SGLang installed, with stand-ins for SGLang's objects (the hooks as SGLang
+0.5.23 calls them; tests/sglang_real/ drives the same backend through the real 0.5.23 modules, in its own venv): the
+verify inputs gathered on the device agree with the
 checked conversions; the target-verify forward gives what SGLang's extend attention means (a dense float64 softmax
 over each node's prefix and custom-mask columns, written here from that description); a graph's buffers are filled
 at capture and refilled in place at replay with other lengths and a padded batch; every other mode goes to the
@@ -143,8 +144,9 @@ def run_verify(backend, x, T, heads, layer, rng, split_rope=False):
     k = torch.randn(n * T, 1, cabi.QK_DIM).to(torch.bfloat16)
     fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), req_pool_indices=x["req_pool_indices"],
                                seq_lens=x["seq_lens"], seq_lens_cpu=x["seq_lens"], positions=x["positions"],
-                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"]),
-                               out_cache_loc=x["out_cache_loc"], token_to_kv_pool=pool)
+                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"], draft_token_num=T),
+                               out_cache_loc=x["out_cache_loc"])
+    backend.kv_pool = pool  # the server's MLA pool (0.5.23: the backend's, not the batch's)
     if split_rope:
         kwargs = dict(q_rope=q[..., cabi.LATENT_DIM:], k_rope=k[..., cabi.LATENT_DIM:])
         q_in, k_in = q[..., : cabi.LATENT_DIM].reshape(n * T, -1), k[..., : cabi.LATENT_DIM]
@@ -163,7 +165,7 @@ def test_the_backend_serves_target_verify_and_delegates_every_other_mode(seed):
     backend = kb.KdevVerifyBackend(fallback, x["req_to_token"], page_size, 4096, T, check=True)
     fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), req_pool_indices=x["req_pool_indices"],
                                seq_lens=x["seq_lens"], seq_lens_cpu=x["seq_lens"], positions=x["positions"],
-                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"]))
+                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"], draft_token_num=T))
     backend.init_forward_metadata(fb)
     assert fallback.calls == ["init_forward_metadata"]  # the fallback keeps its own metadata current
     for split in (False, True):
@@ -196,11 +198,12 @@ def test_a_scheduled_kernel_is_scheduled_once_per_forward_by_its_first_layer(mon
     rng = np.random.default_rng(seed)
     heads, T, page_size = 4, 9, 64
     x = make_batch(rng, 2, T, page_size, max_prefix=40)
-    backend = kb.KdevVerifyBackend(Fallback(), x["req_to_token"], page_size, 4096, T, kernel="flash-scheduled")
+    backend = kb.KdevVerifyBackend(Fallback(), x["req_to_token"], page_size, 4096, T, kv_pool=Pool(x["slots"], layers=3))
+    assert backend.kernel == kb.DEFAULT_KERNEL  # the device-scheduled call
     fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), req_pool_indices=x["req_pool_indices"],
                                seq_lens=x["seq_lens"], seq_lens_cpu=x["seq_lens"], positions=x["positions"],
-                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"]),
-                               out_cache_loc=x["out_cache_loc"], token_to_kv_pool=Pool(x["slots"], layers=3))
+                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"], draft_token_num=T),
+                               out_cache_loc=x["out_cache_loc"])
     for forward in range(2):
         backend.init_forward_metadata(fb)
         for layer_id in range(3):
@@ -209,7 +212,7 @@ def test_a_scheduled_kernel_is_scheduled_once_per_forward_by_its_first_layer(mon
             k = torch.randn(2 * T, 1, cabi.QK_DIM).to(torch.bfloat16)
             out = backend.forward_extend(q, k, k[..., : cabi.LATENT_DIM], layer, fb)
             assert out.shape == (2 * T, heads * cabi.LATENT_DIM)
-        assert made == ["flash-scheduled"] * (forward + 1)  # layer 0 made it; layers 1 and 2 read it
+        assert made == [kb.DEFAULT_KERNEL] * (forward + 1)  # layer 0 made it; layers 1 and 2 read it
 
 
 def test_a_graphs_buffers_are_filled_at_capture_and_refilled_in_place_at_replay(seed):
@@ -222,9 +225,9 @@ def test_a_graphs_buffers_are_filled_at_capture_and_refilled_in_place_at_replay(
     backend = kb.KdevVerifyBackend(Fallback(), cap["req_to_token"], page_size, context, T)
     backend.init_cuda_graph_state(max_bs, max_bs * T)
     verify = Mode("target_verify")
-    backend.init_forward_metadata_capture_cuda_graph(max_bs, max_bs * T, cap["req_pool_indices"], cap["seq_lens"],
-                                                     None, verify, types.SimpleNamespace(
-                                                         custom_mask=cap["custom_mask"]))
+    backend.init_forward_metadata_out_graph(types.SimpleNamespace(
+        forward_mode=verify, req_pool_indices=cap["req_pool_indices"], seq_lens=cap["seq_lens"],
+        spec_info=types.SimpleNamespace(custom_mask=cap["custom_mask"], draft_token_num=T)), in_capture=True)
     captured = {k: getattr(backend.batch, k).data_ptr() for k in ("page_table", "prefix_lens", "q_indptr", "tree_mask")}
     assert backend.batch.max_kv_len == context + T  # planned for the longest request, not this one
     for raw_bs in (max_bs, 2):  # other lengths and trees; then a batch padded to the graph's size
@@ -233,8 +236,9 @@ def test_a_graphs_buffers_are_filled_at_capture_and_refilled_in_place_at_replay(
         pad = max_bs - raw_bs
         idx = torch.cat([x["req_pool_indices"], torch.zeros(pad, dtype=torch.int64)])
         lens = torch.cat([x["seq_lens"], torch.ones(pad, dtype=torch.int64)])
-        backend.init_forward_metadata_replay_cuda_graph(max_bs, idx, lens, int(lens.sum()), None, verify,
-                                                        types.SimpleNamespace(custom_mask=x["custom_mask"]), lens)
+        backend.init_forward_metadata_out_graph(types.SimpleNamespace(
+            forward_mode=verify, req_pool_indices=idx, seq_lens=lens,
+            spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"], draft_token_num=T)))
         assert {k: getattr(backend.batch, k).data_ptr() for k in captured} == captured  # in place
         out, q, pool, _ = run_verify_padded(backend, x, T, heads, layer, pad)
         want = sglang_extend_reference(q[: raw_bs * T], pool.buf[0], x, T, layer.scaling)
@@ -249,7 +253,8 @@ def run_verify_padded(backend, x, T, heads, layer, pad):
     q = torch.randn((n + pad) * T, heads, cabi.QK_DIM).to(torch.bfloat16)
     k = torch.randn((n + pad) * T, 1, cabi.QK_DIM).to(torch.bfloat16)
     loc = torch.cat([x["out_cache_loc"], torch.full((pad * T,), x["slots"], dtype=torch.int64)])
-    fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), out_cache_loc=loc, token_to_kv_pool=pool)
+    fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), out_cache_loc=loc)
+    backend.kv_pool = pool
     return backend.forward_extend(q.reshape(-1, heads * cabi.QK_DIM), k, None, layer, fb), q, pool, fb
 
 
@@ -259,13 +264,14 @@ def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(convert.ConversionError, match="draft tokens"):
         kb.KdevVerifyBackend(Fallback(), torch.zeros(1, 1, dtype=torch.int32), 64, 4096, 0)
     b = kb.KdevVerifyBackend(Fallback(), torch.zeros(1, 1, dtype=torch.int32), 64, 4096, 4)
-    with pytest.raises(RuntimeError, match="before init_cuda_graph_state"):
-        b.init_forward_metadata_capture_cuda_graph(1, 4, None, None, None, Mode("target_verify"), None)
+    with pytest.raises(convert.ConversionError, match="carries no draft_token_num"):
+        b.init_forward_metadata(types.SimpleNamespace(forward_mode=Mode("target_verify"),
+                                                      spec_info=types.SimpleNamespace()))
 
 
 def test_register_puts_kdev_in_sglangs_registry(monkeypatch, seed):
     """Stand-ins for SGLang's registry (ATTENTION_BACKENDS, register_attention_backend) and base class (forward()
-    dispatching on the mode), as the pinned commit has them."""
+    dispatching on the mode), so that this runs without SGLang (tests/sglang_real/ registers into the real ones)."""
     registry = types.ModuleType(kb._REGISTRY_MODULE)
     registry.ATTENTION_BACKENDS = {}
 
@@ -318,7 +324,7 @@ def test_register_puts_kdev_in_sglangs_registry(monkeypatch, seed):
     layer = types.SimpleNamespace(layer_id=0, tp_q_head_num=2, scaling=0.1, qk_head_dim=cabi.QK_DIM)
     fb = types.SimpleNamespace(forward_mode=Mode("target_verify"), req_pool_indices=x["req_pool_indices"],
                                seq_lens=x["seq_lens"], seq_lens_cpu=x["seq_lens"], positions=x["positions"],
-                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"]))
+                               spec_info=types.SimpleNamespace(custom_mask=x["custom_mask"], draft_token_num=T))
     backend.init_forward_metadata(fb)
     out, q, pool, fb = run_verify(backend, x, T, 2, layer, rng)
     torch.testing.assert_close(out.view(2 * T, 2, -1).double(),

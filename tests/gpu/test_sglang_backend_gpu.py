@@ -23,7 +23,7 @@ def batch_on_cuda(rng, bs):
     return x, {k: v.cuda() for k, v in x.items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("kernel", ["flash", "flash-portable"])
+@pytest.mark.parametrize("kernel", kb.abi.SCHEDULED_KERNELS)
 def test_the_backend_verify_forward_eager_and_in_a_replayed_graph(seed, kernel):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -31,13 +31,13 @@ def test_the_backend_verify_forward_eager_and_in_a_replayed_graph(seed, kernel):
     req_to_token = torch.zeros(ROWS, CONTEXT + T, dtype=torch.int32, device="cuda")  # the server's one table
     pool = Pool((POOL_PAGES + 1) * PAGE, device="cuda")  # a page past the batches': padded rows' writes
     pool.buf[0].copy_(torch.randn_like(pool.buf[0], dtype=torch.float32).to(torch.bfloat16))
-    backend = kb.KdevVerifyBackend(Fallback(), req_to_token, PAGE, CONTEXT, T, kernel=kernel)
+    backend = kb.KdevVerifyBackend(Fallback(), req_to_token, PAGE, CONTEXT, T, kernel=kernel, kv_pool=pool)
     verify = Mode("target_verify")
     n_rows = MAX_BS * T
     q = torch.empty(n_rows, HEADS * cabi.QK_DIM, dtype=torch.bfloat16, device="cuda")
     k = torch.empty(n_rows, 1, cabi.QK_DIM, dtype=torch.bfloat16, device="cuda")
     loc = torch.empty(n_rows, dtype=torch.int64, device="cuda")
-    fb = types.SimpleNamespace(forward_mode=verify, out_cache_loc=loc, token_to_kv_pool=pool)
+    fb = types.SimpleNamespace(forward_mode=verify, out_cache_loc=loc)
 
     def load(raw_bs):
         """A new batch into the static tensors: its table rows, q, the nodes' rows and slots (padding after it)."""
@@ -62,12 +62,14 @@ def test_the_backend_verify_forward_eager_and_in_a_replayed_graph(seed, kernel):
     x, xc, idx, lens = load(MAX_BS)
     backend.init_forward_metadata(types.SimpleNamespace(
         forward_mode=verify, req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=lens.cpu(), positions=xc["positions"],
-        spec_info=types.SimpleNamespace(custom_mask=xc["custom_mask"])))
+        spec_info=types.SimpleNamespace(custom_mask=xc["custom_mask"], draft_token_num=T)))
     check(backend.forward_extend(q, k, None, layer, fb), x, MAX_BS)
     # a graph: captured on this batch, replayed on two others
     backend.init_cuda_graph_state(MAX_BS, n_rows)
-    backend.init_forward_metadata_capture_cuda_graph(MAX_BS, n_rows, idx, lens, None, verify,
-                                                     types.SimpleNamespace(custom_mask=xc["custom_mask"]))
+    # SGLang 0.5.23's order: out_graph(in_capture=True) outside the capture, in_graph inside it (the fallback's)
+    backend.init_forward_metadata_out_graph(types.SimpleNamespace(
+        forward_mode=verify, req_pool_indices=idx, seq_lens=lens,
+        spec_info=types.SimpleNamespace(custom_mask=xc["custom_mask"], draft_token_num=T)), in_capture=True)
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         backend.forward_extend(q, k, None, layer, fb)  # warm-up outside the capture
@@ -75,8 +77,9 @@ def test_the_backend_verify_forward_eager_and_in_a_replayed_graph(seed, kernel):
             out = backend.forward_extend(q, k, None, layer, fb)
     for raw_bs in (MAX_BS, 2):
         x, xc, idx, lens = load(raw_bs)
-        backend.init_forward_metadata_replay_cuda_graph(MAX_BS, idx, lens, int(lens.sum()), None, verify,
-                                                        types.SimpleNamespace(custom_mask=xc["custom_mask"]), lens.cpu())
+        backend.init_forward_metadata_out_graph(types.SimpleNamespace(  # before every replay, outside the graph
+            forward_mode=verify, req_pool_indices=idx, seq_lens=lens,
+            spec_info=types.SimpleNamespace(custom_mask=xc["custom_mask"], draft_token_num=T)))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -75,9 +75,12 @@ def _check_tree(tree: torch.Tensor, b: int) -> None:
 
 
 def custom_mask_to_tree_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tensor, prefix_lens: torch.Tensor,
-                             q_indptr: torch.Tensor, mask_words: int | None = None) -> torch.Tensor:
+                             q_indptr: torch.Tensor, mask_words: int | None = None,
+                             check_prefix: bool = True) -> torch.Tensor:
     """SGLang's flattened FULL_MASK custom mask -> kdev's tree_mask [N_q, mask_words] int64 (ancestor-or-self bits),
-    after checking that every prefix column is set and that each request's tree part is a tree."""
+    after checking that every prefix column is set (unless check_prefix is False: SGLang leaves a preallocated mask's
+    prefix columns unfilled when its backend does not read them, build_tree_kernel_efficient's fill_prefix_mask) and
+    that each request's tree part is a tree."""
     T = _lengths(q_indptr)
     L = [int(x) for x in prefix_lens.tolist()]
     starts = [int(x) for x in mask_indptr.tolist()]
@@ -91,7 +94,7 @@ def custom_mask_to_tree_mask(custom_mask: torch.Tensor, mask_indptr: torch.Tenso
         if size != t * (prefix + t):
             raise ConversionError(f"request {b}: mask part of {size} entries, expected {t} x ({prefix} + {t})")
         m = custom_mask[starts[b]:starts[b + 1]].view(t, prefix + t).bool()
-        if prefix and not bool(m[:, :prefix].all()):
+        if check_prefix and prefix and not bool(m[:, :prefix].all()):
             i, j = (int(x) for x in (~m[:, :prefix]).nonzero()[0])
             raise ConversionError(f"request {b}: node {i} does not see prefix position {j} (kdev's tree nodes attend "
                                   "to the whole prefix)")
