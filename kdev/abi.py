@@ -284,10 +284,11 @@ class Library:
         return out, lse
 
 
-def load_library(path: str | Path | None = None, log=None) -> Library:
+def load_library(path: str | Path | None = None, log=None, build: bool = True) -> Library:
     """The library to run: `path`, else the last `kdev build` (of build.yaml's archs, else of the arch a build for this
     GPU targets (kbuild.build_arch_for: sm_90a on an sm_90 GPU), else of this GPU's arch alone) if it is current and has
-    code for this GPU, else a build for that arch (a cache hit when nothing changed)."""
+    code for this GPU, else a build for that arch (a cache hit when nothing changed) where `build` allows it; without,
+    one line saying what to build or name."""
     from kdev import gpu
     from kdev.errors import CheckFailed
 
@@ -303,6 +304,9 @@ def load_library(path: str | Path | None = None, log=None) -> Library:
             lib = Library(latest)
         if not lib.stale and kbuild.runs_on(lib.build_info.get("archs", []), here):
             return lib
+    if not build:
+        raise EnvironmentMissing(f"no current kdev library with code for {here}: run 'kdev build --arch {target}' "
+                                 f"before the server starts, or name one with KDEV_LIB")
     res = kbuild.build(config.load_build(None, [target]), log=log)
     if res.problems:
         raise CheckFailed(f"kdev build failed its resource gate: {res.problems[0]}")

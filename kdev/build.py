@@ -11,7 +11,9 @@ kernels/, a git revision, a patch) in kdev/refs.py.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kdev import __version__
 from kdev import cabi, resources
-from kdev.config import REPO_ROOT, BuildConfig, load_build
+from kdev.config import REPO_ROOT, WORK_ROOT, BuildConfig, load_build
 from kdev.errors import BadInput, CheckFailed, EnvironmentMissing, KdevError
 from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, raise_if_stopped, read_json_record,
                          remove_dead_writers_temps, signals_deferred, temp_name)
@@ -209,8 +211,37 @@ def _compiler_errors(text: str) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def _one_build_at_a_time(folder: Path, log):
+    """An exclusive lock per build configuration: eight tensor-parallel processes of a server that start at once make
+    one build, and the seven others find it cached. A folder that cannot be written is not locked (nothing can be built
+    there; a cached build is only read)."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder.parent / f".{folder.name}.lock", os.O_RDWR | os.O_CREAT, normal_mode())
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            (log or (lambda m: None))(f"waiting for another process's build of {folder.name}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
           variant: bool = False) -> BuildResult:
+    """Build (or reuse) the library for cfg, one process at a time per configuration (_build)."""
+    with _one_build_at_a_time(config_folder(cfg), log):
+        return _build(cfg, force, log, kernel_dir, variant)
+
+
+def _build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
+           variant: bool = False) -> BuildResult:
     """Build (or reuse) the library for cfg. Raises CheckFailed on compiler errors and EnvironmentMissing
     without nvcc; resource-gate failures are returned in result.problems (the library is kept for study,
     but latest.json is not pointed at it).
@@ -277,11 +308,16 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
         "variant": variant,  # built from another kernels/ tree on purpose: its sources differ from kernels/
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    # the header as the build record states it, kept to be put beside the library: one read, so an edit made during the
+    # build cannot pair the library with a header its record does not name
+    header_bytes = (kernel_dir / HEADER).read_bytes()
+    if hashlib.sha256(header_bytes).hexdigest() != cabi.header_sha256_of(info):
+        raise CheckFailed(f"{kernel_dir / HEADER} changed while the build read the sources: run it again")
     gen = folder / "build_info.gen.cpp"
     atomic_write_bytes(gen, _build_info_source(info).encode())
     remove_dead_writers_temps(folder)  # what a killed build left: its temp library and nvcc's temp folder
     cu = [str(p) for p in kernel_sources(kernel_dir) if p.suffix == ".cu"]
-    tmp_lib = scratch = None
+    tmp_lib = tmp_header = scratch = None
     try:
         with signals_deferred():  # a kill now lands inside this try, where both temps are removed
             fd, tmp_lib = tempfile.mkstemp(prefix=temp_name("libkdtree"), suffix=".so", dir=folder)
@@ -299,16 +335,21 @@ def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KE
             raise CheckFailed(f"nvcc failed ({len(errors)} error line(s)); {detail}")
         # asked of the new library under its own (unique) name: a process that loaded an earlier build from `lib`
         # would get that one back from the loader
-        header = kernel_dir / HEADER
-        launches = resources.flash_launches(tmp_lib, cfg, header)
+        with signals_deferred():  # made inside the try that removes it
+            fd, tmp_header = tempfile.mkstemp(prefix=temp_name("kdtree"), suffix=".h", dir=folder)
+            os.close(fd)
+        Path(tmp_header).write_bytes(header_bytes)
+        launches = resources.flash_launches(tmp_lib, cfg, Path(tmp_header))
         os.chmod(tmp_lib, normal_mode(executable=True))  # mkstemp's 0600: a server's account could not load it
+        os.chmod(tmp_header, normal_mode())
         raise_if_stopped()  # a stop that library code swallowed: the build is not put in place
         with signals_deferred():  # the library and the header it binds with are put in place together
-            atomic_write_bytes(folder / cabi.HEADER_BESIDE, header.read_bytes())
+            os.replace(tmp_header, folder / cabi.HEADER_BESIDE)
             os.replace(tmp_lib, lib)
     finally:
-        if tmp_lib is not None:
-            Path(tmp_lib).unlink(missing_ok=True)
+        for tmp in (tmp_lib, tmp_header):
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     rows = resources.parse_ptxas(text)
@@ -403,7 +444,7 @@ def latest_library(output_dir: Path | None = None, archs=None) -> Path | None:
     env = os.environ.get("KDEV_LIB")
     if env:
         return Path(env)
-    out = output_dir or (REPO_ROOT / "build")
+    out = output_dir or (WORK_ROOT / "build")
     f = out / (latest_record(archs) if archs else LATEST)
     record = read_json_record(f, ("library",))
     if record is None or not isinstance(record["library"], str):

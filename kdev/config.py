@@ -16,7 +16,7 @@ import yaml
 
 from kdev import cabi
 from kdev.errors import BadInput
-from kdev.project import REPO_ROOT  # the project root (kdev/project.py)
+from kdev.project import REPO_ROOT, WORK_ROOT  # where kdev reads and writes (kdev/project.py)
 
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -392,7 +392,7 @@ def load_build(path: str | Path | None = None, archs: list[str] | None = None) -
         if bad:
             raise BadInput(f"--arch: {bad[0]!r} is not an arch like sm_90")
     return BuildConfig(archs=tuple(dict.fromkeys(archs or cfg_archs)), flags=tuple(flags),
-                       output_dir=out if out.is_absolute() else REPO_ROOT / out, allow_spills=allow_spills,
+                       output_dir=out if out.is_absolute() else WORK_ROOT / out, allow_spills=allow_spills,
                        smem_limit_bytes=limits, path=path, default_archs=tuple(dict.fromkeys(cfg_archs)))
 
 

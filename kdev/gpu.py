@@ -18,8 +18,13 @@ def require_cuda(what: str) -> None:
 
 
 def current_arch() -> str:
+    """This GPU's arch (sm_NN); EnvironmentMissing in one line where torch sees no CUDA GPU."""
     import torch
 
+    if not torch.cuda.is_available():
+        from kdev.errors import EnvironmentMissing
+
+        raise EnvironmentMissing("no CUDA GPU visible to torch")
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
 

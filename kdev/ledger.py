@@ -11,14 +11,14 @@ import os
 import uuid
 from pathlib import Path
 
-from kdev.config import REPO_ROOT
+from kdev.config import WORK_ROOT
 from kdev.fsutil import atomic_write_bytes
 
 LEDGER_SCHEMA = 1
 
 
 def ledger_dir() -> Path:
-    return Path(os.environ.get("KDEV_LEDGER", REPO_ROOT / ".kdev" / "ledger"))
+    return Path(os.environ.get("KDEV_LEDGER", WORK_ROOT / ".kdev" / "ledger"))
 
 
 def append_record(record: dict, folder: Path | None = None) -> Path:

@@ -31,13 +31,20 @@ import torch
 
 from kdev import abi, cabi, ddtree, mla, registry
 
-_LIBRARY: list = []  # the library the CUDA ops run, loaded on first use (abi.load_library: built for this GPU)
+_LIBRARY: list = []  # the library the CUDA ops run, loaded on first use
 
 
 def library() -> abi.Library:
+    """The library the CUDA ops run: $KDEV_LIB, else the last `kdev build` with code for this GPU. A serving process
+    never starts nvcc: without a built library it is refused in one line (abi.load_library)."""
     if not _LIBRARY:
-        _LIBRARY.append(abi.load_library())
+        _LIBRARY.append(abi.load_library(build=False))
     return _LIBRARY[0]
+
+
+def use_library(lib: abi.Library) -> None:
+    """The library the CUDA ops run from now on (a command that built or chose one; a server names it by KDEV_LIB)."""
+    _LIBRARY[:] = [lib]
 
 
 def _tree_kernels() -> abi.TreeKernels:

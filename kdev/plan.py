@@ -299,11 +299,18 @@ class ShapePlan:
     schedule: dict | None = None  # the device schedule (the scheduled calls') of a skewed batch or a capture's replay
 
 
+def split_chunk(kv_len: int, splits: int) -> int:
+    """Tokens of each split of a range of kv_len: its equal share rounded up to whole KV tiles. The Python statement of
+    flash_plan.cuh's split_chunk, which the kernels and the device schedule cut by (tests/test_flash_plan.py compares
+    the two)."""
+    return -(-(-(-kv_len // splits)) // BLOCK_N) * BLOCK_N
+
+
 def split_tiles(kv_len: int, splits: int, filled: int | None = None) -> list[int]:
-    """KV tiles of each split of a range of kv_len tokens (the kernels' split_chunk cut), of which the first `filled`
-    hold KV (all by default; fewer where a call is planned for a capture's bounds but the request is shorter)."""
+    """KV tiles of each split of a range of kv_len tokens (split_chunk's cut), of which the first `filled` hold KV (all
+    by default; fewer where a call is planned for a capture's bounds but the request is shorter)."""
     filled = kv_len if filled is None else filled
-    chunk = math.ceil(math.ceil(kv_len / splits) / BLOCK_N) * BLOCK_N
+    chunk = split_chunk(kv_len, splits)
     return [math.ceil(max(0, min(chunk, filled - s * chunk)) / BLOCK_N) for s in range(splits)]
 
 

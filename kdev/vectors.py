@@ -239,15 +239,25 @@ def resolve_suite_path(name_or_path: str, root: Path | None = None) -> Path:
     p = Path(name_or_path)
     if (p / MANIFEST).is_file():
         return p
-    root = Path(root) if root else default_vectors_root()
-    if (root / name_or_path / MANIFEST).is_file():
-        return root / name_or_path
-    places = " or ".join(map(str, dict.fromkeys([p, root / name_or_path])))  # one place for an absolute path
+    roots = [Path(root)] if root else list(dict.fromkeys([default_vectors_root(), shipped_vectors_root()]))
+    for r in roots:
+        if (r / name_or_path / MANIFEST).is_file():
+            return r / name_or_path
+    places = " or ".join(map(str, dict.fromkeys([p, *(r / name_or_path for r in roots)])))  # one place for an absolute path
     raise BadInput(f"{name_or_path}: no suite there (no {MANIFEST} in {places}); "
                    f"generate it with 'kdev gen-refs --suite {p.name}'")
 
 
 def default_vectors_root() -> Path:
+    """Where suites are generated: the checkout's vectors/, or an installed kdev's own folder (kdev/project.py)."""
+    from kdev.config import WORK_ROOT
+
+    return WORK_ROOT / "vectors"
+
+
+def shipped_vectors_root() -> Path:
+    """Where the committed suites are read when a suite is not among the generated ones: the checkout's vectors/, or
+    the ones an installed kdev ships."""
     from kdev.config import REPO_ROOT
 
     return REPO_ROOT / "vectors"

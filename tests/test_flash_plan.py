@@ -323,3 +323,33 @@ def test_uniform_batches_at_the_bounds_need_no_schedule_but_one_fits(schedule):
         reqs = [(kv - T, T)] * batch
         s, = schedule([(reqs, heads, sms)])
         _check(reqs, heads, sms, s)
+
+
+SPLIT_CHUNK = r"""
+#include <cstdio>
+#include "kdev/flash_plan.cuh"
+int main() {
+  int kv_len, splits;
+  while (std::scanf("%d %d", &kv_len, &splits) == 2) std::printf("%d\n", kdtree::split_chunk(kv_len, splits));
+  return 0;
+}
+"""
+
+
+def test_the_split_cut_is_the_same_in_c_and_python(tmp_path_factory, seed):
+    """flash_plan.cuh's split_chunk (the kernels' and the schedule's cut) and kdev/plan.py's, on random lengths and split
+    counts, the edges too (one token, a whole number of tiles, the longest request)."""
+    import random
+
+    from kdev import cabi
+    from kdev import plan as kplan
+
+    exe = _compiled(tmp_path_factory, "split_chunk", SPLIT_CHUNK)
+    rng = random.Random(seed)
+    longest = cabi.MAX_PREFIX + cabi.MAX_QLEN
+    pairs = [(rng.randint(1, longest), rng.randint(1, cabi.MAX_SPLITS)) for _ in range(3000)]
+    pairs += [(n, s) for n in (1, 31, 32, 33, 64, longest) for s in (1, 2, 3, cabi.MAX_SPLITS)]
+    out = subprocess.run([str(exe)], input="".join(f"{n} {s}\n" for n, s in pairs), capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert [int(x) for x in out] == [kplan.split_chunk(n, s) for n, s in pairs]
+    assert kplan.split_chunk(33, 2) == 32 and kplan.split_chunk(65, 2) == 64 and kplan.split_chunk(66, 2) == 64

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kdev import cabi
-from kdev.config import REPO_ROOT, load_gpus
+from kdev.config import WORK_ROOT, load_gpus
 from kdev.errors import BadInput
 from kdev.fsutil import read_json_record
 
@@ -16,7 +16,7 @@ from kdev.fsutil import read_json_record
 # --------------------------------------------------------------------------------------------- ceilings
 def ceilings_path(gpu_id: dict) -> Path:
     key = (gpu_id.get("uuid") or gpu_id["name"]).replace(" ", "_").replace("/", "_")
-    return REPO_ROOT / ".kdev" / "ceilings" / f"{key}.json"
+    return WORK_ROOT / ".kdev" / "ceilings" / f"{key}.json"
 
 
 def load_ceilings(gpu_id: dict) -> dict | None:

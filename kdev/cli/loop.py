@@ -33,7 +33,7 @@ def gen_refs(
     spec = cfg.load_suite(suite, config)
     root = out or vectors.default_vectors_root()
     if check:
-        disk = vectors.open_suite(str(root / suite), allow_stale=True)
+        disk = vectors.open_suite(str(out / suite) if out else suite, allow_stale=True)  # generated, else shipped
         with report.progress(f"check {suite}", len(spec.cases)) as advance:
             problems = vectors.check_suite(spec, disk, device, progress=advance)
         if json_out:

@@ -234,6 +234,10 @@ def e2e_cmd(
         return
     if backend != "reference" and device != "cuda":
         raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
+    if backend != "reference":  # built here if need be: the ops themselves never start nvcc (a server's path)
+        from kdev import abi, ops
+
+        ops.use_library(abi.load_library(log=report.info))
     settings = run.Settings(prompts, rounds, budgets, page_size, backend, depth, topk, agree, seed=seed,
                             graph=graph)
     with report.progress("e2e", rounds * len(settings.budgets)) as advance:

@@ -377,14 +377,8 @@ __device__ __forceinline__ RequestRows request_rows(const VerifyAttnParams& p, i
   return {p.num_heads, q0, T, T * p.num_heads};
 }
 
-// The split-KV cut: split s of request range [0, kv_len) is [s chunk, (s + 1) chunk), chunk a multiple of the tile.
-__device__ __forceinline__ int split_chunk(int kv_len, int num_splits) {
-  const int chunk = (kv_len + num_splits - 1) / num_splits;
-  return (chunk + kBlockN - 1) / kBlockN * kBlockN;
-}
-
 // The part of request b's KV (its prefix, then its T tree rows) that split `split` of `num_splits` takes: tokens
-// [begin, end), cut by split_chunk; L is the prefix length. Every flash kernel's CTA starts from it (copied into plain
+// [begin, end), cut by split_chunk (flash_plan.cuh: the one statement of the cut); L is the prefix length. Every flash kernel's CTA starts from it (copied into plain
 // variables there: a structured binding of it changed the teams kernel's schedule).
 struct KvSplit {
   int L, begin, end;

@@ -260,17 +260,21 @@ KDTREE_HOST_DEVICE inline int schedule_splits(int k, int kv_len, int kv_max) {
   const int most = schedule_max_splits(kv_len);
   return s < 1 ? 1 : (s > most ? most : s);
 }
-// A split's length as the kernels cut it (split_chunk), in tokens; a CTA's time in tokens: its chunk plus a fixed cost
-// worth 6 KV tiles (as flash_split_cost counts), for a narrow tile its chunk at the launch's narrow price (thousandths).
-KDTREE_HOST_DEVICE inline long long schedule_chunk(int kv_len, int splits) {
+// The split-KV cut, its one statement: split s of `splits` takes tokens [s * chunk, (s + 1) * chunk) of a request's
+// kv_len (the last ones may be short or empty), chunk its equal share rounded up to whole KV tiles. The kernels
+// (kv_split) and the device schedule cut by it; kdev/plan.py's split_chunk is its Python statement
+// (tests/test_flash_plan.py compares the two on random lengths).
+KDTREE_HOST_DEVICE inline int split_chunk(int kv_len, int splits) {
   const int chunk = (kv_len + splits - 1) / splits;
   return (chunk + kBlockN - 1) / kBlockN * kBlockN;
 }
+// A CTA's time in tokens: its chunk plus a fixed cost worth 6 KV tiles (as flash_split_cost counts), for a narrow tile
+// its chunk at the launch's narrow price (thousandths).
 KDTREE_HOST_DEVICE inline long long schedule_unit_cost(int kv_len, int splits) {
-  return schedule_chunk(kv_len, splits) + 6 * kBlockN;
+  return static_cast<long long>(split_chunk(kv_len, splits)) + 6 * kBlockN;
 }
 KDTREE_HOST_DEVICE inline long long schedule_narrow_unit_cost(int kv_len, int narrow_splits, int price) {
-  return schedule_chunk(kv_len, narrow_splits) * price / 1000 + 6 * kBlockN;
+  return static_cast<long long>(split_chunk(kv_len, narrow_splits)) * price / 1000 + 6 * kBlockN;
 }
 // A request's full-tile CTAs per split and whether its tail goes to the narrow kernel: there where the launch has one
 // and every tail's splits fit its grid (the multiplier `narrow` > 0), else the tail is a full-tile CTA's.
