@@ -10,6 +10,7 @@ kernels/ warns (StaleLibraryWarning).
 from __future__ import annotations
 
 import ctypes
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +75,52 @@ class VerifyInputs:
     scale: float
     max_qlen: int | None = None  # host-side bounds; computed (one host sync) when None
     max_kv_len: int | None = None
+    # an e4m3 cache's scale (kdtree.h KDTREE_KV_FP8_E4M3): a row's values are the stored ones times it; None reads as
+    # 1.0 there (SGLang's uncalibrated layer.k_scale). A bf16 cache takes none (None, 0 or 1).
+    kv_scale: float | None = None
 
     @staticmethod
     def from_case(tensors: dict, scale: float, device) -> "VerifyInputs":
+        kv_scale = float(tensors["kv_scale"].reshape(-1)[0]) if "kv_scale" in tensors else None  # e4m3 cases only
         return VerifyInputs(*(tensors[k].to(device).contiguous() for k in
-                              ("q", "kv_cache", "page_table", "prefix_lens", "q_indptr", "tree_mask")), scale=scale)
+                              ("q", "kv_cache", "page_table", "prefix_lens", "q_indptr", "tree_mask")), scale=scale,
+                            kv_scale=kv_scale)
+
+
+# The KV cache dtypes of the contract (kdtree.h): torch dtype -> kv_dtype code. Every other dtype is refused; an 8-bit or
+# narrower one (e5m2, the fnuz formats, e8m0 / mxfp8 scales, fp4, raw bytes) in the header's words.
+KV_DTYPES = {torch.bfloat16: cabi.C["KDTREE_KV_BF16"], torch.float8_e4m3fn: cabi.C["KDTREE_KV_FP8_E4M3"]}
+
+
+def kv_dtype_problem(dtype: torch.dtype) -> str | None:
+    """None for a KV cache dtype the contract takes, else one line saying why not (KDTREE_KV_DTYPE_RULE's words for a
+    narrow float)."""
+    if dtype in KV_DTYPES:
+        return None
+    if dtype.itemsize <= 1 or "float8" in str(dtype) or "float4" in str(dtype):
+        return f"kv_cache: dtype {dtype} {cabi.C['KDTREE_KV_DTYPE_RULE']}"
+    return f"kv_cache: dtype {dtype}, expected torch.bfloat16 or torch.float8_e4m3fn"
+
+
+def kv_dtype_fields(kv_cache: torch.Tensor, kv_scale: float | None) -> dict:
+    """The params fields of a cache's dtype and scale (kv_dtype, kv_scale; ABI 9). bf16 leaves both at 0, so a library
+    from before ABI 9 still takes a bf16 call; e4m3 takes its scale, 1.0 where none is given."""
+    code = KV_DTYPES[kv_cache.dtype]
+    if code == cabi.C["KDTREE_KV_BF16"]:
+        return {"kv_dtype": code, "kv_scale": 0.0}
+    return {"kv_dtype": code, "kv_scale": 1.0 if kv_scale is None else float(kv_scale)}
+
+
+def _check_kv_scale(kv_cache: torch.Tensor, kv_scale) -> None:
+    if kv_scale is None:
+        return
+    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)):
+        raise AbiArgumentError(f"kv_scale: expected a float, got {type(kv_scale).__name__}")
+    if kv_cache.dtype == torch.bfloat16:
+        if kv_scale not in (0, 1):
+            raise AbiArgumentError(f"kv_scale {kv_scale:g} with a bf16 cache: only an e4m3 cache is scaled")
+    elif not (math.isfinite(kv_scale) and kv_scale > 0) or torch.tensor(kv_scale, dtype=torch.float32).item() == 0:
+        raise AbiArgumentError(f"kv_scale {kv_scale:g} must be finite and > 0 (in float32) for an e4m3 cache")
 
 
 def check_inputs(x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple[int, int, int]:
@@ -86,7 +128,10 @@ def check_inputs(x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor) -> tuple
     one device for all. Returns (total_q, heads, batch)."""
     dev = x.q.device if isinstance(x.q, torch.Tensor) else None
     _check("q", x.q, torch.bfloat16, 3, dev)
-    _check("kv_cache", x.kv_cache, torch.bfloat16, 3, dev)
+    if isinstance(x.kv_cache, torch.Tensor) and kv_dtype_problem(x.kv_cache.dtype):
+        raise AbiArgumentError(kv_dtype_problem(x.kv_cache.dtype))
+    _check("kv_cache", x.kv_cache, tuple(KV_DTYPES), 3, dev)
+    _check_kv_scale(x.kv_cache, x.kv_scale)
     _check("page_table", x.page_table, torch.int32, 2, dev, 4)
     _check("prefix_lens", x.prefix_lens, torch.int32, 1, dev, 4)
     _check("q_indptr", x.q_indptr, torch.int32, 1, dev, 4)
@@ -193,7 +238,8 @@ class Library:
             scale=float(x.scale), plan_sm_count=self.plan_sm_count,
             q=x.q.data_ptr(), kv_cache=x.kv_cache.data_ptr(), page_table=x.page_table.data_ptr(),
             prefix_lens=x.prefix_lens.data_ptr(), q_indptr=x.q_indptr.data_ptr(), tree_mask=x.tree_mask.data_ptr(),
-            out=out.data_ptr(), lse=lse.data_ptr(), workspace=None, workspace_bytes=0)
+            out=out.data_ptr(), lse=lse.data_ptr(), workspace=None, workspace_bytes=0,
+            **kv_dtype_fields(x.kv_cache, x.kv_scale))
         if workspace is not None:
             _check("workspace", workspace, workspace.dtype, 1, dev)
             p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()
@@ -444,7 +490,9 @@ class TreeKernels:
     def prepare_compact(self, kv_cache, page_table, prefix_lens, accepted, accept_len) -> cabi.Params:
         """In place when launched: accepted node i's KV row moves to slot prefix_len + i."""
         dev = kv_cache.device
-        _check("kv_cache", kv_cache, torch.bfloat16, 3, dev)
+        if isinstance(kv_cache, torch.Tensor) and kv_dtype_problem(kv_cache.dtype):
+            raise AbiArgumentError(kv_dtype_problem(kv_cache.dtype))
+        _check("kv_cache", kv_cache, tuple(KV_DTYPES), 3, dev)
         B, T = accepted.shape
         _i32("accepted", accepted, (B, T), dev)
         _i32("accept_len", accept_len, (B,), dev)
@@ -453,7 +501,8 @@ class TreeKernels:
         return self.lib.make("CompactParams", batch=B, t_stride=T, page_size=kv_cache.shape[1],
                              max_pages=page_table.shape[1], num_pages=kv_cache.shape[0], kv_cache=kv_cache.data_ptr(),
                              page_table=page_table.data_ptr(), prefix_lens=prefix_lens.data_ptr(),
-                             accepted=accepted.data_ptr(), accept_len=accept_len.data_ptr())
+                             accepted=accepted.data_ptr(), accept_len=accept_len.data_ptr(),
+                             kv_dtype=KV_DTYPES[kv_cache.dtype])
 
     def compact_kv(self, *args) -> None:
         self.launch("compact", self.prepare_compact(*args))

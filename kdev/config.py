@@ -248,14 +248,18 @@ class CaseSpec:
     seed: int
     model: str
     tolerances: Tolerances
+    kv_dtype: str = "bf16"  # KV_CACHE_DTYPES: the cache's dtype (kdtree.h kv_dtype)
+    kv_scale: float = 0.0  # e4m3: the cache's scale (a row's values are the stored ones times it); bf16: 0
 
     @property
     def batch(self) -> int:
         return len(self.prefix_lens)
 
     def to_dict(self) -> dict:
+        # the cache's dtype only where it is not bf16: the specs written before it read the same
+        kv = {"kv_cache": {"dtype": self.kv_dtype, "scale": self.kv_scale}} if self.kv_dtype != "bf16" else {}
         return dict(name=self.name, prefix_lens=list(self.prefix_lens), tree=self.tree.to_dict(),
-                    heads=self.heads, page_size=self.page_size, seed=self.seed, model=self.model)
+                    heads=self.heads, page_size=self.page_size, seed=self.seed, model=self.model, **kv)
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,26 @@ def _tolerance(r: _Reader, default: Tolerance) -> Tolerance:
                   cos_diff=r.get("cos_diff", float, default.cos_diff, *nonneg))
     r.done()
     return t
+
+
+# The KV cache dtypes a case may have (kdtree.h's KDTREE_KV_BF16 and KDTREE_KV_FP8_E4M3), by their suites.yaml names.
+KV_CACHE_DTYPES = ("bf16", "e4m3")
+
+
+def _kv_cache(r: _Reader) -> tuple[str, float]:
+    """A case's `kv_cache: {dtype: e4m3, scale: S}` (absent: bf16). The scale must let the generator's rows fit e4m3
+    (cases.E4M3_MIN_SCALE: no value saturates)."""
+    from kdev.cases import E4M3_MIN_SCALE
+
+    dtype = r.get("dtype", str, "bf16", lambda v: v in KV_CACHE_DTYPES,
+                  f"must be one of {', '.join(KV_CACHE_DTYPES)} (kdtree.h: {cabi.C['KDTREE_KV_DTYPE_RULE']})")
+    if dtype == "bf16":
+        r.done()
+        return dtype, 0.0
+    scale = r.get("scale", float, 1.0, lambda v: math.isfinite(v) and v >= E4M3_MIN_SCALE,
+                  f"must be finite and >= {E4M3_MIN_SCALE:.6g} (the generator's largest value over e4m3's 448)")
+    r.done()
+    return dtype, scale
 
 
 # bf16 outputs: one rounding is 2^-9 relative; the flash kernel also rounds P to bf16 before P·V.
@@ -336,6 +360,7 @@ def load_suites(path: str | Path | None = None) -> dict[str, SuiteSpec]:
                 seed=c.get("seed", int, check=lambda v: v >= 0, check_msg="must be >= 0"),
                 model=c.get("model", str, default_model),
                 tolerances=_tolerances(c.sub("tolerances", {}), suite_tol),
+                **dict(zip(("kv_dtype", "kv_scale"), _kv_cache(c.sub("kv_cache", {})))),
             ))
             c.done()
         s.done()
@@ -432,6 +457,10 @@ class GpuSpec:
     ceilings_source: str = ""
     ceilings_clock_mhz: float | None = None  # the SM clock the flops ceiling holds at
     rates: dict | None = None  # RATE_NAMES -> Rate: what kdev plan --project prices SASS with
+    # dense e4m3 tensor-core FLOP/s (fp32 accumulate), a Rate in FLOP/s with its source: what an e4m3-math kernel could
+    # reach (kernels/NOTES.md "FP8 cache: the prediction")
+    e4m3_flops: Rate | None = None
+    memory_bytes: Rate | None = None  # device memory, bytes (what holds the weights and the KV cache: kdev plan)
 
     @property
     def major(self) -> int:
@@ -460,6 +489,10 @@ def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
             c.done()
         if "rates" in r.data:
             spec["rates"] = _rates(r.sub("rates"))
+        if "e4m3_tflops" in r.data:
+            spec["e4m3_flops"] = _rate(r.sub("e4m3_tflops"), 1e12)
+        if "memory_gib" in r.data:
+            spec["memory_bytes"] = _rate(r.sub("memory_gib"), 2.0**30)
         r.done()
         out[key] = GpuSpec(**spec)
     gpus.done()
@@ -467,18 +500,21 @@ def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
     return out
 
 
+def _rate(x: "_Reader", unit: float = 1.0) -> Rate:
+    """One figure: {value: X} or {low: A, high: B}, with its source (and measured), in the file's unit times `unit`."""
+    positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
+    if "value" in x.data:
+        low = high = float(x.get("value", (int, float), **positive))
+    else:
+        low, high = float(x.get("low", (int, float), **positive)), float(x.get("high", (int, float), **positive))
+        if low > high:
+            raise x.fail("low", f"{low:g} is above high {high:g}")
+    rate = Rate(low * unit, high * unit, x.get("source", str), x.get("measured", bool, False))
+    x.done()
+    return rate
+
+
 def _rates(r: "_Reader") -> dict:
-    out = {}
-    for name in RATE_NAMES:
-        x = r.sub(name)
-        positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
-        if "value" in x.data:
-            low = high = float(x.get("value", (int, float), **positive))
-        else:
-            low, high = float(x.get("low", (int, float), **positive)), float(x.get("high", (int, float), **positive))
-            if low > high:
-                raise x.fail("low", f"{low:g} is above high {high:g}")
-        out[name] = Rate(low, high, x.get("source", str), x.get("measured", bool, False))
-        x.done()
+    out = {name: _rate(r.sub(name)) for name in RATE_NAMES}
     r.done()
     return out

@@ -16,6 +16,29 @@ default the checkpoints'. They differ by a fixed permutation of the dims (deinte
 vector by halves gives the deinterleaved rotation, so scores agree whenever q and k share one layout, and the
 kernels, which see rotated rows only, take either.
 Everything runs in torch float64 so that large references can run on a GPU (--device cuda).
+
+An FP8 (e4m3) latent cache (kdtree.h KDTREE_KV_FP8_E4M3) holds float8 e4m3fn values and one scale: a row's value is
+the stored value times kv_scale, exactly (3 significant bits times a float32's 24 fit float64's 53). The reference
+reads that dequantized cache; it is the golden of an e4m3 case. What SGLang does and what kdev's contract decides:
+- SGLang's MLA pool (MLATokenToKVPool, store_dtype viewed as float8_e4m3fn) stores k / k_scale and takes no scale
+  itself; its extend kernel multiplies the scores by k_scale and P.V by v_scale; an uncalibrated layer's k_scale is
+  None, read as 1.0. kdev takes one scale: for MLA the value is the first 512 columns of the key row, so one stored
+  row and one scale serve both (a caller with k_scale != v_scale has no MLA cache kdev can read).
+- The tree's own rows: SGLang's extend kernel takes them from the forward's bf16 k, not the pool. kdev's contract
+  reads every row, prefix and tree, from the one pool: one pointer, one page walk, one dtype per call, and the tree's
+  rows are what every later step reads anyway once accepted. A caller writes the tree's k into the pool before the
+  call (SGLang's backends save the KV before attention). The difference from SGLang's Triton path is one e4m3 rounding
+  of the T tree rows of a step, no more; the goldens and the emulation below read the pool for them too.
+
+The kernels' arithmetic on an e4m3 cache (emulate_dequantizing_kernel) is decided here, and the tolerances of e4m3
+cases (cases.E4M3_TOLERANCES) are derived from it: dequantize each e4m3 value to bf16 on its way into shared memory,
+unscaled, and run the bf16 kernels' tensor-core loops unchanged; kv_scale enters in fp32, folded into the softmax
+scale for the scores and once into O before its bf16 rounding. Why bf16 and unscaled: every e4m3fn value (3 mantissa
+bits, exponents 2^-9..2^8) is a bf16 value exactly, so the conversion rounds nothing and the kernel's error is the bf16
+kernel's own (P rounded to bf16 before P.V, the output rounded to bf16); dequantizing to value x scale in bf16 would
+round every element again, and to fp32 would leave the tensor cores (no fp32 operand mma). The alternative, e4m3
+tensor-core math (Q and P quantized to e4m3, V transposed), is emulated by emulate_e4m3_mma for its accuracy cost;
+kernels/NOTES.md "FP8 cache: the prediction" weighs the two. (mxfp8 block scales are not in the contract.)
 """
 
 from __future__ import annotations
@@ -156,25 +179,102 @@ def gather_kv(kv_cache: torch.Tensor, page_table_row: torch.Tensor, length: int)
     return kv_cache[cabi.kv_page_offset(page_table_row.to(kv_cache.device).long(), pos, page_size)]
 
 
-def reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,
-                          device: str | torch.device = "cpu"):
-    """Float64 reference of kdtree_verify_attn (docs/architecture.md §2). Inputs in kernel layout (any dtype; they are
-    upcast exactly). Returns (out [N_q,H,512] float64, lse [N_q,H] float64) on `device`."""
-    q = q.to(device=device, dtype=torch.float64)
-    kv_cache = kv_cache.to(device=device)
-    N_q, H, D = q.shape
-    assert D == QK_DIM
-    out = torch.empty(N_q, H, LATENT_DIM, dtype=torch.float64, device=device)
-    lse = torch.empty(N_q, H, dtype=torch.float64, device=device)
-    B = len(prefix_lens)
-    for b in range(B):
+def dequantize(rows: torch.Tensor, kv_scale: float | None) -> torch.Tensor:
+    """Cache rows as float64 values: an e4m3 row's stored values times kv_scale (None: 1.0, SGLang's uncalibrated
+    scale), exactly; any other dtype upcast exactly."""
+    x = rows.to(torch.float64)
+    if rows.dtype == torch.float8_e4m3fn:
+        x = x * float(torch.tensor(1.0 if kv_scale is None else kv_scale, dtype=torch.float32))  # the params' float
+    return x
+
+
+def _requests(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, device):
+    """Per request with a tree: (rows r0:r1, its L + T stored cache rows on `device`, its mask [T, L + T])."""
+    kv_cache, tree_mask = kv_cache.to(device=device), tree_mask.to(device)
+    for b in range(len(prefix_lens)):
         L = int(prefix_lens[b])
         r0, r1 = int(q_indptr[b]), int(q_indptr[b + 1])
         T = r1 - r0
         if T == 0:
             continue
-        k = gather_kv(kv_cache, page_table[b], L + T).to(torch.float64)
         mask = torch.ones(T, L + T, dtype=torch.bool, device=device)
-        mask[:, L:] = unpack_tree_mask(tree_mask.to(device), slice(r0, r1), T)
-        out[r0:r1], lse[r0:r1] = absorbed_attention(q[r0:r1], k, mask, scale)
+        mask[:, L:] = unpack_tree_mask(tree_mask, slice(r0, r1), T)
+        yield slice(r0, r1), gather_kv(kv_cache, page_table[b], L + T), mask
+
+
+def reference_verify_attn(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,
+                          device: str | torch.device = "cpu", kv_scale: float | None = None):
+    """Float64 reference of kdtree_verify_attn (docs/architecture.md §2). Inputs in kernel layout (any dtype; they are
+    upcast exactly; an e4m3 cache is dequantized with kv_scale, exactly). Returns (out [N_q,H,512] float64,
+    lse [N_q,H] float64) on `device`."""
+    q = q.to(device=device, dtype=torch.float64)
+    N_q, H, D = q.shape
+    assert D == QK_DIM
+    out = torch.empty(N_q, H, LATENT_DIM, dtype=torch.float64, device=device)
+    lse = torch.empty(N_q, H, dtype=torch.float64, device=device)
+    for rows, k, mask in _requests(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, device):
+        out[rows], lse[rows] = absorbed_attention(q[rows], dequantize(k, kv_scale), mask, scale)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------- e4m3 cache: the kernels' arithmetic
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` (round to nearest even), back in float64."""
+    return x.to(dtype).to(torch.float64)
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _softmax_pv(s: torch.Tensor, mask: torch.Tensor, v: torch.Tensor, p_dtype: torch.dtype):
+    """Masked softmax of fp32 scores s [T,H,S] and P.V, as the flash kernels round: P = exp(s - max) in fp32, rounded
+    to p_dtype for the tensor cores' P.V, its row sum l taken before that rounding; O = (P.V) / l in fp32; lse in fp32."""
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    p = _round(torch.exp(s - m), torch.float32)
+    l_sum = _round(p.sum(-1), torch.float32)
+    o = _round(torch.einsum("ths,sc->thc", _round(p, p_dtype), v), torch.float32) / l_sum[..., None]
+    return _round(o, torch.float32), _round(m[..., 0] + torch.log(l_sum), torch.float32)
+
+
+def emulate_dequantizing_kernel(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float,
+                                kv_scale: float | None):
+    """What a flash kernel that dequantizes an e4m3 cache to bf16 on its way into shared memory computes (module
+    docstring), at its rounding points: the stored e4m3 values as bf16 (exact), scores in fp32 times the fp32 product
+    fp32(scale) x fp32(kv_scale), P rounded to bf16 for P.V, O times kv_scale in fp32, then rounded to bf16. The sums
+    themselves are taken in float64 (the kernels' fp32 accumulation orders differ among themselves by ~2^-24 relative,
+    far under the roundings modelled). Returns (out [N_q,H,512] as bf16 values in float64, lse [N_q,H] float64)."""
+    q64 = q.to(torch.float64)
+    ks = _f32(1.0 if kv_scale is None else kv_scale)
+    eff = _f32(_f32(scale) * ks)
+    out = torch.full((q.shape[0], q.shape[1], LATENT_DIM), float("nan"), dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float64)
+    for rows, k, mask in _requests(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, "cpu"):
+        kb = _round(k.to(torch.float64), torch.bfloat16)  # e4m3 -> bf16: exact (an e4m3 value is a bf16 value)
+        s = _round(_round(torch.einsum("thd,sd->ths", q64[rows], kb), torch.float32) * eff, torch.float32)
+        o, lse[rows] = _softmax_pv(s, mask, kb[:, :LATENT_DIM], torch.bfloat16)
+        out[rows] = _round(_round(o * ks, torch.float32), torch.bfloat16)
+    return out, lse
+
+
+def emulate_e4m3_mma(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, scale: float, kv_scale: float | None,
+                     q_scaled: bool = True):
+    """The other design's arithmetic, for its accuracy cost: e4m3 tensor-core math. Q is quantized to e4m3 (q_scaled:
+    with one fp32 scale per call, amax / 448, folded into the softmax scale; else cast as it is, as SGLang's other fp8
+    paths do), the e4m3 cache is read as it is, scores accumulate in fp32; P (in [0, 1] after the row max) is quantized
+    to e4m3 for an e4m3 P.V (values under e4m3's smallest subnormal, 2^-9, become 0), O times kv_scale, rounded to
+    bf16. Returns (out, lse) as emulate_dequantizing_kernel."""
+    q64 = q.to(torch.float64)
+    ks = _f32(1.0 if kv_scale is None else kv_scale)
+    qs = _f32(float(q64.abs().max()) / float(torch.finfo(torch.float8_e4m3fn).max)) if q_scaled else 1.0
+    qq = _round(q64 / qs, torch.float8_e4m3fn)
+    eff = _f32(_f32(_f32(scale) * ks) * qs)
+    out = torch.full((q.shape[0], q.shape[1], LATENT_DIM), float("nan"), dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float64)
+    for rows, k, mask in _requests(q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask, "cpu"):
+        k8 = k.to(torch.float64) if k.dtype == torch.float8_e4m3fn else _round(k.to(torch.float64), torch.float8_e4m3fn)
+        s = _round(_round(torch.einsum("thd,sd->ths", qq[rows], k8), torch.float32) * eff, torch.float32)
+        o, lse[rows] = _softmax_pv(s, mask, k8[:, :LATENT_DIM], torch.float8_e4m3fn)
+        out[rows] = _round(_round(o * ks, torch.float32), torch.bfloat16)
     return out, lse

@@ -400,3 +400,55 @@ def plan(lib: PlanLibrary, shapes: list[bench.Shape], gpu: GpuSpec, call: str = 
             d["split_costs"] = split_costs(lib, s, gpu)
     return {"gpu": asdict(gpu), "library": str(lib.path), "call": call, "plans": docs,
             "largest_workspace": {"shape": largest.shape, "bytes": largest.workspace_bytes} if largest else None}
+
+
+# ------------------------------------------------------------------------------------------- context held
+# What the card keeps for weights and KV cache: SGLang's --mem-fraction-static, the rest left to activations, CUDA
+# graphs and the allocator. An assumption (SGLang picks its default by GPU memory and parallelism): the same for every
+# layout and cache dtype here, so the ratios between them do not depend on it.
+MEM_FRACTION_STATIC = 0.90
+CONTEXT_DTYPES = {"bf16": 2, "e4m3": 1}  # bytes per cache element (kdtree.h: bf16 rows, or e4m3 rows and one scale)
+ALL_EXPERTS_TOKENS = 1_000_000  # tokens that reach every routed expert (what a card holds, not what one step reads)
+
+
+def _resident_weight_bytes(steps) -> tuple[float, float]:
+    """(weights one GPU holds under tensor parallelism, the attention weights one layer's replicas add per GPU under
+    attention DP) in bytes, from the step cost model (configs/steps): every routed expert, not those one step reads."""
+    rest = steps.rest_of_step(ALL_EXPERTS_TOKENS)
+    if rest["experts_touched"] != steps.routed_experts:
+        raise BadInput(f"{steps.name}: {ALL_EXPERTS_TOKENS} tokens reach {rest['experts_touched']:g} of "
+                       f"{steps.routed_experts} experts")
+    tp = steps.tensor_parallel
+    attention = steps.layers * steps.attention_params() * steps.other_weight_bytes
+    return rest["weight_bytes"], attention * (1 - 1 / tp)
+
+
+def context_capacity(gpu: GpuSpec, steps_path: Path | None = None,
+                     mem_fraction: float = MEM_FRACTION_STATIC) -> dict:
+    """Tokens of context the target model's KV cache holds on `gpu` (configs/steps: the model, its layers and tensor
+    parallelism; configs/gpus.yaml: the card's memory), with a bf16 and an e4m3 cache, for three layouts of the
+    attention over the tp GPUs: tensor parallel (every GPU holds every token's latent row: the longest request and the
+    distinct tokens are one GPU's), attention DP (each GPU its own requests' rows, and the attention weights whole on
+    every GPU: distinct tokens tp times one GPU's, a request at most one GPU's), DCP over the same GPUs (a request's
+    tokens cut across them: both tp times one GPU's). A latent row is 576 elements per layer (kdtree.h)."""
+    from kdev.e2e.deploy import default_step_costs, load_step_costs
+
+    steps = load_step_costs(steps_path or default_step_costs())
+    if gpu.memory_bytes is None:
+        raise BadInput(f"configs/gpus.yaml: {gpu.key} has no memory_gib: cannot say what its memory holds")
+    tp_weights, dp_extra = _resident_weight_bytes(steps)
+    usable = gpu.memory_bytes.nominal * mem_fraction
+    tp = steps.tensor_parallel
+    layouts = {"tp": (tp_weights, 1, 1), "attention-dp": (tp_weights + dp_extra, tp, 1), "dcp": (tp_weights, tp, tp)}
+    rows = []
+    for dtype, size in CONTEXT_DTYPES.items():
+        per_token = cabi.QK_DIM * steps.layers * size
+        for layout, (weights, distinct, longest) in layouts.items():
+            per_gpu = max(0, int((usable - weights) // per_token))
+            rows.append({"cache": dtype, "layout": layout, "kv_bytes_per_token": per_token,
+                         "weight_bytes_per_gpu": weights, "kv_bytes_per_gpu": max(0.0, usable - weights),
+                         "tokens_per_gpu": per_gpu, "distinct_tokens": per_gpu * distinct,
+                         "longest_request": per_gpu * longest})
+    return {"gpu": gpu.key, "gpu_name": gpu.name, "memory_bytes": gpu.memory_bytes.nominal,
+            "memory_source": gpu.memory_bytes.source, "mem_fraction_static": mem_fraction, "model": steps.name,
+            "layers": steps.layers, "tensor_parallel": tp, "rows": rows}

@@ -4,6 +4,7 @@ kdev/cases.py.
 A suite lives in one folder: one safetensors file per case and manifest.yaml (schema version, hash of the
 generator sources, seeds, case specs, shapes, dtypes, tolerances, sha256 per file). A case holds
   inputs  q, kv_cache, page_table, prefix_lens, q_indptr, tree_mask   (the kernel contract, docs/architecture.md §2)
+          kv_scale ([1] float32, e4m3 cases only: kv_cache is float8_e4m3fn, a value is the stored one times it)
   tree    tree_tokens, tree_parents, tree_depths, tree_positions     ([N_q], in q_indptr order)
           drafter_log_probs, drafter_token_ids                       ([B, D, K], DDTree cases only)
   golden  out (float32), lse (float64), computed in float64 from the bf16-rounded inputs
@@ -31,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kdev.cases import CaseData, generate_case
+from kdev.cases import CaseData, cache_bits, generate_case
 from kdev.config import SuiteSpec, Tolerances, load_model, load_yaml
 from kdev.errors import BadInput
 from kdev.fsutil import atomic_write_bytes, make_temp_dir, remove_dead_writers_temps, signals_deferred
@@ -299,10 +300,14 @@ def case_differences(stored: dict, case: CaseData, rel_tol: float = GOLDEN_REL_T
             excess = ((s.double() - fresh64).abs() - storage).max().item()
             if not excess <= rel_tol * ref:
                 bad.append(f"{k} (relative error {excess / ref:.2e} beyond storage rounding)")
-        elif not torch.equal(s.view(torch.int16) if s.dtype == torch.bfloat16 else s,
-                             v.view(torch.int16) if v.dtype == torch.bfloat16 else v):
+        elif not torch.equal(_bits(s), _bits(v)):
             bad.append(k)
     return bad + [f"{k} (unexpected)" for k in sorted(set(stored) - set(case.tensors))]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A bf16 or float8 tensor as integers of its width (NaN slots compare equal bit for bit); others as they are."""
+    return cache_bits(x) if x.dtype in (torch.bfloat16, torch.float8_e4m3fn) else x
 
 
 def check_suite(spec: SuiteSpec, suite: Suite, device: str = "cpu", rel_tol: float = GOLDEN_REL_TOL,

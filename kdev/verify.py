@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +136,7 @@ def check_tree_kernel(tk: abi.TreeKernels, kernel: str, name: str, tensors: dict
         r = len(pages)
         if r:  # slots are distinct, so one indexed write is the same as the row-by-row one
             want[torch.tensor(pages, device=device), torch.tensor(slots, device=device)] = t["compact_rows"]
-        diff = kv.view(torch.int16) != want.view(torch.int16)  # bitwise, NaN slots included
+        diff = cases.cache_bits(kv) != cases.cache_bits(want)  # bitwise, NaN slots included
         if bool(diff.any()):
             bad.append(f"{int(diff.any(-1).sum())} KV row(s) differ from the reference compaction")
         note = f"{r} row(s) moved, rest of the cache bit-identical"
@@ -219,9 +219,16 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
 
 
 # ---------------------------------------------------------------------------------------------- fuzz
-def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: int) -> CaseSpec:
+FUZZ_KV_CACHES = ("bf16", "e4m3", "mixed")  # kdev verify --fuzz --kv-cache: the cache's dtype, or each case draws one
+
+
+def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: int, kv_cache: str = "bf16") -> CaseSpec:
     """A random case: DDTree or random/chain/star tree, ragged batch (prefixes, and in half the cases tree sizes too),
-    shuffled pages, page size 1 or 64. Sizes are log-uniform so that small edge cases and large ones both come up."""
+    shuffled pages, page size 1 or 64. Sizes are log-uniform so that small edge cases and large ones both come up.
+    kv_cache (FUZZ_KV_CACHES): an e4m3 case stores its cache with a scale of 1.0 (SGLang's uncalibrated one) or a
+    calibrated one (1 to 8 times the smallest that fits, rounded to float32), with the e4m3 tolerances (cases.py); its
+    draws come from a stream of the case's own seed, so a seed's cases are the same whatever kv_cache says but for their
+    cache."""
     batch = int(rng.choice([1, 1, 2, 3, 4, 8]))
 
     def loguni(hi):
@@ -240,8 +247,15 @@ def fuzz_spec(rng: np.random.Generator, name: str, max_prefix: int, max_nodes: i
     heads = int(rng.choice([1, 3, 8, 8, 16, 16, 20, 64]))
     if nodes * heads * batch > 65536:  # keep one case's reference and oracle runs around a second
         heads = max(1, 65536 // (nodes * batch))
-    return CaseSpec(name=name, prefix_lens=prefix, tree=tree, heads=heads, page_size=int(rng.choice([1, 64])),
+    spec = CaseSpec(name=name, prefix_lens=prefix, tree=tree, heads=heads, page_size=int(rng.choice([1, 64])),
                     seed=int(rng.integers(0, 2**31 - 1)), model="kimi-k2.6", tolerances=DEFAULT_TOLERANCES)
+    own = np.random.Generator(np.random.PCG64([spec.seed, 8]))  # the cache's draws: not the run's stream
+    if kv_cache == "bf16" or (kv_cache == "mixed" and own.random() < 0.5):
+        return spec
+    calibrated = float(np.float32(cases.E4M3_MIN_SCALE * own.uniform(1.0, 8.0)))
+    scale = 1.0 if own.random() < 0.25 else max(calibrated, float(np.nextafter(np.float32(cases.E4M3_MIN_SCALE),
+                                                                                np.float32(1))))
+    return replace(spec, kv_dtype="e4m3", kv_scale=scale, tolerances=cases.E4M3_TOLERANCES)
 
 
 def _prefetched_inputs(specs: list[CaseSpec]):
@@ -377,8 +391,12 @@ def run_suite(suite_ref: str, kernels: list[str], repeat: int = 1, cases: list[s
 
 def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: int | None = None, repeat: int = 1,
              lib_path=None, log=None, progress=None, failures_root: Path | None = None,
-             write_ledger: bool = True, plan_gpu=None) -> VerifyRun:
+             write_ledger: bool = True, plan_gpu=None, kv_cache: str = "bf16") -> VerifyRun:
     from kdev import gpu
+    from kdev.errors import BadInput
+
+    if kv_cache not in FUZZ_KV_CACHES:
+        raise BadInput(f"--kv-cache {kv_cache!r}: one of {', '.join(FUZZ_KV_CACHES)}")
 
     gpu.require_cuda("kdev verify --fuzz")
     lib = load_planned_library(lib_path, log, plan_gpu)
@@ -386,7 +404,7 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
     max_nodes = min(max_nodes or lib.max_qlen, lib.max_qlen)
     device = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(seed)
-    specs = [fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes) for i in range(n)]
+    specs = [fuzz_spec(rng, f"fuzz-{seed}-{i}", max_prefix, max_nodes, kv_cache) for i in range(n)]
     results, saved, proj_cache = [], [], {}
     # where a long fuzz run spends its time (in the record): waiting for the CPU-side inputs, the float64
     # reference on the GPU, and running and checking the kernels
@@ -409,7 +427,7 @@ def run_fuzz(n: int, seed: int, kernels: list[str], max_prefix: int, max_nodes: 
         if progress:
             progress(spec.name)
     info = {"name": f"fuzz:{n}", "seed": seed, "max_prefix": max_prefix, "max_nodes": max_nodes, "repeat": repeat,
-            "seconds": {k: round(v, 1) for k, v in seconds.items()}}
+            "kv_cache": kv_cache, "seconds": {k: round(v, 1) for k, v in seconds.items()}}
     record = make_record("fuzz", results, kernels, lib, gpu.current_gpu().to_dict(), info, plan_gpu, others)
     path = ledger.append_record(record) if write_ledger else None
     return VerifyRun("fuzz", kernels, results, record, path, fuzz_seed=seed, saved_failures=saved)

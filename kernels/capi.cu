@@ -61,6 +61,29 @@ int check_page_size(int page_size) {
   return KDTREE_OK;
 }
 
+// The KV cache's dtype and scale (kdtree.h, ABI 9), for every entry point that takes a cache: bf16 (kv_scale 0, unused,
+// or 1) or e4m3 (kv_scale finite and > 0); any other dtype is refused in the header's words.
+int check_kv_dtype(int32_t kv_dtype, float kv_scale) {
+  if (kv_dtype == KDTREE_KV_FP8_E4M3) {
+    if (!(kv_scale > 0.f) || !std::isfinite(kv_scale))
+      return fail(KDTREE_ERR_INVALID, "kv_scale %g must be finite and > 0 for an e4m3 cache", (double)kv_scale);
+    return KDTREE_OK;
+  }
+  if (kv_dtype != KDTREE_KV_BF16) return fail(KDTREE_ERR_INVALID, "kv_dtype %d " KDTREE_KV_DTYPE_RULE, (int)kv_dtype);
+  if (kv_scale != 0.f && kv_scale != 1.f)
+    return fail(KDTREE_ERR_INVALID, "kv_scale %g with a bf16 cache: only an e4m3 cache is scaled (0 or 1 here)",
+                (double)kv_scale);
+  return KDTREE_OK;
+}
+
+// An e4m3 cache, validated, that no kernel of this library reads yet: refused, never run as if it were bf16.
+int refuse_unread_kv_dtype(int32_t kv_dtype, const char* call) {
+  if (kv_dtype == KDTREE_KV_FP8_E4M3)
+    return fail(KDTREE_ERR_UNSUPPORTED, "%s: an e4m3 KV cache (kv_dtype %d) is in the contract (ABI 9) but no kernel "
+                "of this library reads one yet", call, (int)kv_dtype);
+  return KDTREE_OK;
+}
+
 // The shape bounds of a verify call, which the flash plan depends on (also checked alone by kdtree_flash_plan).
 int validate_shape(int batch, int total_q, int num_heads, int max_qlen, int max_kv_len) {
   if (batch < 1) return fail(KDTREE_ERR_INVALID, "batch %d < 1", batch);
@@ -84,6 +107,7 @@ int validate_plan_inputs(const VerifyAttnParams* p) {
   if (int st = validate_shape(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len)) return st;
   if (int st = check_page_size(p->page_size)) return st;
   if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
+  if (int st = check_kv_dtype(p->kv_dtype, p->kv_scale)) return st;
   return KDTREE_OK;
 }
 
@@ -117,6 +141,7 @@ int validate(const VerifyAttnParams* p) {
   if (!(p->scale > 0.f) || !std::isfinite(p->scale))
     return fail(KDTREE_ERR_INVALID, "scale %g must be finite and > 0", (double)p->scale);
   if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
+  if (int st = check_kv_dtype(p->kv_dtype, p->kv_scale)) return st;
   return KDTREE_OK;
 }
 
@@ -174,6 +199,9 @@ extern "C" {
 // kdtree_flash_schedule_plan take the page size; kdtree_flash_schedule_plan takes the call's bounds too.
 // 6: kdtree_flash_launch_plan takes wgmma_built (whether the code holds the wgmma kernel).
 // 7: kdtree_poison_shared_memory.
+// 8: KDTREE_ABI_VERSION in the header, and the header kept beside the library.
+// 9: VerifyAttnParams.kv_dtype / kv_scale and CompactParams.kv_dtype (kdtree.h): an e4m3 cache is validated and, until a
+// kernel reads one, answered KDTREE_ERR_UNSUPPORTED by every verify entry point and the compaction.
 int kdtree_abi_version(void) { return KDTREE_ABI_VERSION; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
@@ -204,6 +232,7 @@ int kdtree_poison_shared_memory(cudaStream_t stream) {
 int kdtree_verify_attn(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
   if (int st = validate(p)) return st;
+  if (int st = refuse_unread_kv_dtype(p->kv_dtype, "kdtree_verify_attn")) return st;
   cudaError_t err = kdtree::launch_verify_attn_naive(*p, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_naive launch");
   return KDTREE_OK;
@@ -253,6 +282,8 @@ static int check_workspace(const VerifyAttnParams* p, size_t need) {
 static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream,
                              bool need_wgmma = false) {
   if (int st = validate(p)) return st;
+  if (int st = refuse_unread_kv_dtype(p->kv_dtype, portable ? "the portable flash call" : "the flash call"))
+    return st;
   bool wgmma = false;
   if (!portable) {
     const cudaError_t err = kdtree::flash_wgmma_built(&wgmma);
@@ -493,10 +524,13 @@ int kdtree_compact_kv(const CompactParams* p, cudaStream_t stream) {
     return fail(KDTREE_ERR_INVALID, "t_stride %d outside 1..%d", p->t_stride, KDTREE_MAX_QLEN);
   if (int st = check_page_size(p->page_size)) return st;
   if (p->max_pages < 1 || p->num_pages < 1) return fail(KDTREE_ERR_INVALID, "max_pages / num_pages < 1");
+  if (p->kv_dtype != KDTREE_KV_BF16 && p->kv_dtype != KDTREE_KV_FP8_E4M3)
+    return fail(KDTREE_ERR_INVALID, "kv_dtype %d " KDTREE_KV_DTYPE_RULE, (int)p->kv_dtype);
   if (int st = check_ptrs({{p->kv_cache, "kv_cache"}}, 16)) return st;
   if (int st = check_ptrs({{p->page_table, "page_table"}, {p->prefix_lens, "prefix_lens"}, {p->accepted, "accepted"},
                            {p->accept_len, "accept_len"}}, 4))
     return st;
+  if (int st = refuse_unread_kv_dtype(p->kv_dtype, "kdtree_compact_kv")) return st;
   cudaError_t err = kdtree::launch_compact_kv(*p, stream);
   if (err != cudaSuccess) return cuda_fail(err, "compact_kv launch");
   return KDTREE_OK;

@@ -106,6 +106,8 @@ def verify_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="Fuzz seed (printed on every run; replays a failure)."),
     max_prefix: int = typer.Option(32768, "--max-prefix", min=0, help="Fuzz: largest prefix length."),
     max_nodes: Optional[int] = typer.Option(None, "--max-nodes", min=1, help="Fuzz: largest tree (default: kernel max)."),
+    kv_cache: str = typer.Option("bf16", "--kv-cache", help="Fuzz: the KV cache's dtype, bf16 or e4m3 (kdtree.h: "
+                                 "value x kv_scale), or mixed (each case draws one)."),
     allow_stale: bool = typer.Option(False, "--allow-stale", help="Run vectors made by older reference sources."),
     library: Optional[Path] = typer.Option(None, "--library", help="Library (or its build folder) to load (default: "
                                            "build for this GPU)."),
@@ -129,6 +131,10 @@ def verify_cmd(
     if several is not None:
         return run_on_gpus(ctx, "verify", several, library, worker_timeout, out_json, json_out)
     # run_suite refuses a tampered, truncated, stale or drifted suite (exit 2) before it asks for a GPU (exit 3)
+    if kv_cache not in verify.FUZZ_KV_CACHES:
+        raise typer.BadParameter(f"must be one of {', '.join(verify.FUZZ_KV_CACHES)}", param_hint="--kv-cache")
+    if kv_cache != "bf16" and not fuzz:
+        raise typer.BadParameter("takes --fuzz (a suite's cases state their own cache)", param_hint="--kv-cache")
     if fuzz:
         from kdev import gpu
 
@@ -138,7 +144,7 @@ def verify_cmd(
         with report.progress("fuzz", fuzz) as advance:
             run = verify.run_fuzz(fuzz, seed, kernels, max_prefix, max_nodes, repeat, library, report.info, advance,
                                   failures_root=fleet.failures_root(), write_ledger=not fleet.in_worker(),
-                                  plan_gpu=plan_gpu)
+                                  plan_gpu=plan_gpu, kv_cache=kv_cache)
     else:
         n = len(case) if case else len(vectors.open_suite(suite, allow_stale=True).cases)
         with report.progress(f"verify {suite}", n) as advance:

@@ -64,10 +64,13 @@ def plan_cmd(
         report.emit_json(doc) if json_out else views.show_projection(doc)
         return
     doc = kplan.plan(planner, shapes, gpu, call, costs)
+    # the KV context this GPU holds for the deploy's model (configs/steps), bf16 and e4m3 caches, per attention layout
+    doc["context"] = kplan.context_capacity(gpu) if gpu.memory_bytes else None
     if json_out:
         report.emit_json(doc)
     else:
         views.show_plan(doc, gpu, call, costs)
+        views.show_context(doc["context"])
 
 
 # ---------------------------------------------------------------------------------------------------- sass

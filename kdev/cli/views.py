@@ -262,6 +262,20 @@ def show_plan(doc: dict, gpu, call: str, costs: bool) -> None:
                     f"({big['bytes']:,} B, at {big['shape']})")
 
 
+def show_context(ctx: dict | None) -> None:
+    """kdev plan: the tokens of context a GPU holds for the deploy's model, bf16 and e4m3 caches, per attention layout."""
+    if not ctx:
+        return
+    rows = [[r["cache"], r["layout"], f"{r['weight_bytes_per_gpu'] / 1e9:.1f}", f"{r['kv_bytes_per_gpu'] / 1e9:.1f}",
+             f"{r['kv_bytes_per_token'] / 1e3:.1f}", f"{r['tokens_per_gpu']:,}", f"{r['distinct_tokens']:,}",
+             f"{r['longest_request']:,}"] for r in ctx["rows"]]
+    report.show(report.table(
+        f"context held: {ctx['model']} on {ctx['gpu_name']} ({ctx['memory_bytes'] / 2**30:.1f} GiB, "
+        f"{ctx['mem_fraction_static']:.0%} for weights and KV cache; tp {ctx['tensor_parallel']})",
+        ["cache", "attention", "weights GB", "KV GB", "KB/token", "tokens/GPU", "distinct tokens", "longest request"],
+        rows))
+
+
 def show_projection(doc: dict) -> None:
     """kdev plan --project: a row per shape (the range, its bound and what moves it, the KV traffic and what a cluster
     would save), a row per kernel, the fit behind the constants, and each calibration's verdict."""

@@ -9,6 +9,7 @@
  * Layouts of a verify call (all device memory, row-major, contiguous):
  *   q           [total_q, num_heads, 576] bf16   absorbed queries: 512 latent, then 64 RoPE'd
  *   kv_cache    [num_pages, page_size, 576] bf16 rows of 512 latent (c_kv) then 64 RoPE'd k_pe; V = first 512
+ *               (or fp8 e4m3 rows of 576 bytes, each value times kv_scale: KDTREE_KV_FP8_E4M3 below)
  *   page_table  [batch, max_pages] int32         logical page -> physical page
  *   prefix_lens [batch] int32                    tokens before the tree
  *   q_indptr    [batch + 1] int32                tree node ranges per request (T_b = q_indptr[b+1] - q_indptr[b])
@@ -31,8 +32,8 @@
  * from: `kdev build` keeps this file beside the library, and the sha256 of its bytes is in kdtree_build_info's
  * "sources". History: 2 plan_sm_count; 3 the narrow row tiles' own split count; 4 the device schedule; 5 the page size
  * to the plan functions; 6 wgmma_built to kdtree_flash_launch_plan; 7 kdtree_poison_shared_memory; 8 this constant,
- * and the header kept beside the library. */
-#define KDTREE_ABI_VERSION 8
+ * and the header kept beside the library; 9 the KV cache's dtype and scale (kv_dtype, kv_scale). */
+#define KDTREE_ABI_VERSION 9
 #define KDTREE_LATENT_DIM 512   /* c_kv: the value row, and the first part of a query / key row */
 #define KDTREE_ROPE_DIM 64      /* k_pe / q_pe: the rest of a query / key row */
 #define KDTREE_QK_DIM 576       /* KDTREE_LATENT_DIM + KDTREE_ROPE_DIM */
@@ -51,6 +52,18 @@
 #define KDTREE_KV_SLOT(page_row, pos, page_size) \
   ((size_t)(page_row)[(pos) / (page_size)] * (size_t)(page_size) + (size_t)((pos) % (page_size)))
 
+/* The KV cache's element type (VerifyAttnParams.kv_dtype, CompactParams.kv_dtype; ABI 9). bf16 is 0, so a struct
+ * whose new fields are left at zero is the bf16 call it was before. An e4m3 cache holds float8 e4m3fn values (SGLang's
+ * fp8_e4m3 pool: k / k_scale stored), and a row's value is the stored value times VerifyAttnParams.kv_scale, one scale
+ * for the whole row: for MLA V is the first 512 columns of K, so scores and P.V take the same one. Every row is read
+ * from the pool, the tree's own too (docs/architecture.md: a caller writes the tree's rows into the pool first). Output
+ * and LSE stay bf16 / fp32. No other 8-bit or narrower format is taken: e5m2, mxfp8 and fp4 caches are refused. Until
+ * a verify kernel reads an e4m3 cache, every verify entry point and the compaction answer KDTREE_ERR_UNSUPPORTED for
+ * one (after validating it), never a result. */
+#define KDTREE_KV_BF16 0                /* bf16 rows: 576 x 2 bytes; kv_scale 0 (unused) or 1 */
+#define KDTREE_KV_FP8_E4M3 1            /* float8 e4m3fn rows: 576 x 1 byte; kv_scale finite and > 0 */
+#define KDTREE_KV_DTYPE_RULE "is not a KV dtype kdtree takes: bf16 (0) or e4m3 (1); e5m2, mxfp8 and fp4 are refused"
+
 /* The flash call's tiling (kernels/include/kdev/flash_plan.cuh takes it from here). */
 #define KDTREE_FLASH_BLOCK_M 64       /* rows (node x head) per CTA of the full-tile kernels */
 #define KDTREE_FLASH_BLOCK_N 32       /* KV tokens per tile */
@@ -66,6 +79,7 @@
 #define KDTREE_ERR_CUDA 2         /* CUDA error: a CUDA call or launch failed */
 #define KDTREE_ERR_WORKSPACE 3    /* workspace missing or too small: nothing was launched */
 #define KDTREE_ERR_UNSUPPORTED 4  /* not on this GPU: its shared memory per block or its arch cannot run it */
+/* KDTREE_ERR_UNSUPPORTED also answers a KV dtype that no kernel of this library reads (e4m3, until its kernels). */
 
 /* A CUDA stream, as the runtime's cudaStream_t (the same type) without including the CUDA headers. */
 typedef struct CUstream_st* kdtree_stream_t;
@@ -100,6 +114,8 @@ typedef struct VerifyAttnParams {
   float* lse;
   void* workspace;       /* flash calls: kdtree_verify_attn_workspace_size bytes (ABI 4: the schedule and partials) */
   size_t workspace_bytes;
+  int32_t kv_dtype;      /* KDTREE_KV_BF16 or KDTREE_KV_FP8_E4M3 (ABI 9) */
+  float kv_scale;        /* e4m3: a row's values are the stored ones times this; bf16: 0 or 1 (ABI 9) */
 } VerifyAttnParams;
 
 /* The DDTree kernels use a padded per-request layout of stride t_stride = 1 + budget rows: request b's node i lives at
@@ -143,11 +159,12 @@ typedef struct CompactParams {
   int32_t page_size;             /* the page rule */
   int32_t max_pages;
   int32_t num_pages;
-  void* kv_cache;                /* [num_pages, page_size, 576] bf16, updated in place */
+  void* kv_cache;                /* [num_pages, page_size, 576] of kv_dtype, updated in place */
   const int32_t* page_table;     /* [batch, max_pages] */
   const int32_t* prefix_lens;    /* [batch] */
   const int32_t* accepted;       /* [batch, t_stride] */
   const int32_t* accept_len;     /* [batch] */
+  int32_t kv_dtype;              /* KDTREE_KV_BF16 or KDTREE_KV_FP8_E4M3: a row of 1152 or 576 bytes (ABI 9) */
 } CompactParams;
 
 /* ------------------------------------------------------------------------------------------- entry points */
