@@ -178,22 +178,36 @@ def field_report_cmd(
 @command
 def e2e_cmd(
     ctx: typer.Context,
-    prompts: int = typer.Option(8, "--prompts", min=1, help="Prompts decoded side by side (ragged lengths)."),
-    rounds: int = typer.Option(16, "--rounds", min=1, help="Speculative rounds per prompt."),
-    budget: str = typer.Option("16", "--budget", help="Node budgets, comma-separated (e.g. 1,16,64,256): one run "
-                               "each, the same prompts and references."),
-    page_size: int = typer.Option(64, "--page-size", help="Tokens per page of the latent cache."),
-    backend: str = typer.Option("reference", "--backend", help="The verify attention: reference (float64: every "
-                                "difference fails), or a verify call (bf16 kernels, CUDA; a scheduled one makes its "
-                                "schedule once per forward): " + registry.describe() + "."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts decoded side by side (ragged "
+                                          "lengths), in every case of the matrix (default: each case's own, 1 to 3)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="Speculative rounds per prompt, in every case "
+                                         "(default: each case's own, 3 to 5)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Node budgets, comma-separated (e.g. 1,16,64,256), "
+                                         "in every case (default: each case's own: 16,64,256 at pages of 64)."),
+    page_size: Optional[int] = typer.Option(None, "--page-size", help="Tokens per page of the latent cache, in every "
+                                            "case (default: 64, and 1 in one case)."),
+    position_offset: Optional[int] = typer.Option(None, "--position-offset", min=0, help="Added to every RoPE "
+                                                  "position, the oracle's too, in every case (default: 0, and 5000 in "
+                                                  "one case: positions past 4,096 with Kimi K2's YaRN)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Verify attentions, comma-separated, each run on "
+                                          "every case: reference (float64: the bound is near machine precision), "
+                                          "bf16-emulated (the kernels' bf16 arithmetic on any device), or a verify call "
+                                          "(bf16 kernels, CUDA; a scheduled one makes its schedule once per forward): "
+                                          + registry.describe() + ". Default: reference,bf16-emulated on cpu, "
+                                          "reference and the engine calls on cuda."),
+    full: bool = typer.Option(False, "--full", help="The fuller matrix: budgets 1..512, pages of 16, a real prefix of "
+                              "4K+ tokens, 64 heads (minutes of CPU; docs/e2e.md)."),
     depth: int = typer.Option(8, "--depth", help="Drafter depths after the root."),
     topk: int = typer.Option(4, "--topk", help="Drafter tokens per depth."),
     agree: float = typer.Option(0.7, "--agree", help="How often the drafter's first token is the target's (0..1)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (the kernels need cuda)."),
-    seed: int = typer.Option(0, "--seed", help="Prompts, drafter and cache layout."),
+    seed: int = typer.Option(0, "--seed", help="Added to each case's seed: prompts, drafter and cache layout."),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for torch (the work is many small ops: more "
+                                "threads cost several times the CPU for little wall time)."),
     graph: bool = typer.Option(False, "--graph", help="Capture each budget's verify forward in a CUDA graph and replay "
-                               "it every round, as a server does (a kernel backend on cuda; the verify attention is "
-                               "then not timed apart from the forward)."),
+                               "it every round, as a server does (kernel backends on cuda; the verify attention is "
+                               "then not timed apart from the forward, and RoPE is transformers' function on the "
+                               "model's float64 table)."),
     acceptance: Optional[Path] = typer.Option(
         None, "--acceptance", help="Instead of decoding: the budget curve of a real deploy from this acceptance curve "
         "(YAML: tokens_per_round by budget, e.g. measured in production), --attention and --step-costs."),
@@ -208,22 +222,30 @@ def e2e_cmd(
     json_out: bool = JsonOpt,
 ):
     """Tree speculative decoding on a small MLA model (transformers' DeepSeek-V3, its attention swapped for kdev's)
-    against plain greedy decoding of the same model, token for token; accepted length and time per stage per budget.
-    With --acceptance, the budget curve of a real deploy instead."""
-    from kdev.cli import check_device, write_json_file
-    from kdev.e2e import run
+    against plain greedy decoding of the same model: at every accepted and bonus position the logits, within the
+    bound of the precision (docs/e2e.md), and the tokens; a matrix of cases (pages, trees, positions), each under
+    float64 and the kernels' bf16. With --acceptance, the budget curve of a real deploy instead."""
+    import dataclasses
 
-    from kdev.e2e.adapter import BACKENDS
+    from kdev.cli import check_device, write_json_file
+    from kdev.e2e import oracle, run, verdict
+    from kdev.e2e.adapter import BACKENDS, EMULATED
 
     check_device(device)
-    try:
-        budgets = tuple(int(b) for b in budget.split(",") if b.strip())
-    except ValueError:
-        raise BadInput(f"--budget {budget!r}: whole numbers, comma-separated") from None
-    if not budgets:
-        raise BadInput(f"--budget {budget!r}: no budget given (whole numbers, comma-separated, e.g. 1,16,64)")
-    if backend not in BACKENDS:
-        raise BadInput(f"--backend {backend!r}: one of {', '.join(BACKENDS)}")
+    budgets = None
+    if budget is not None:
+        try:
+            budgets = tuple(int(b) for b in budget.split(",") if b.strip())
+        except ValueError:
+            raise BadInput(f"--budget {budget!r}: whole numbers, comma-separated") from None
+        if not budgets:
+            raise BadInput(f"--budget {budget!r}: no budget given (whole numbers, comma-separated, e.g. 1,16,64)")
+    backends = tuple(b.strip() for b in backend.split(",") if b.strip()) if backend is not None else None
+    for b in backends or ():
+        if b not in BACKENDS:
+            raise BadInput(f"--backend {b!r}: one of {', '.join(BACKENDS)}")
+    if backends is not None and not backends:
+        raise BadInput(f"--backend {backend!r}: no backend given")
     # the deploy curve's own options do nothing to a decoding run: refused rather than ignored
     given = ctx.get_parameter_source
     deploy_only = [opt for name, opt in (("attention", "--attention"), ("step_costs", "--step-costs"),
@@ -233,25 +255,39 @@ def e2e_cmd(
         raise BadInput(f"{', '.join(deploy_only)}: only with --acceptance (the budget curve of a deploy); "
                        "without it kdev e2e decodes on a small model")
     if acceptance is not None:
-        _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, plot_out, out_json, json_out)
+        b = backends[0] if backends else "reference"
+        _deploy_curve(acceptance, attention, step_costs, budgets or (16,), batch, prefix, b, plot_out, out_json,
+                      json_out)
         return
-    if backend != "reference" and device != "cuda":
-        raise BadInput(f"--backend {backend}: a kernel, which runs on --device cuda")
-    if backend != "reference":  # built here if need be: the ops themselves never start nvcc (a server's path)
-        from kdev import abi, ops
+    if backends is None:
+        backends = ("reference", EMULATED) if device == "cpu" else ("reference", *registry.ENGINE)
+    for b in backends:
+        if b not in ("reference", EMULATED) and device != "cuda":
+            raise BadInput(f"--backend {b}: a kernel, which runs on --device cuda")
+    if device == "cpu":
+        import torch
 
-        ops.use_library(abi.load_library(log=report.info))
-    settings = run.Settings(prompts, rounds, budgets, page_size, backend, depth, topk, agree, seed=seed,
-                            graph=graph)
-    with report.progress("e2e", rounds * len(settings.budgets)) as advance:
-        results = run.run(settings, device, advance)
-    doc = {"settings": {k: v for k, v in settings.__dict__.items()}, "tie_rel": run.TIE_REL,
-           "budgets": [r.to_dict() for r in results], "passed": all(r.passed for r in results)}
+        torch.set_num_threads(threads)
+    overrides = {k: v for k, v in (("prompts", prompts), ("rounds", rounds), ("budgets", budgets),
+                                   ("page_size", page_size), ("position_offset", position_offset)) if v is not None}
+    cases = [dataclasses.replace(c, depth=depth, topk=topk, agree=agree, graph=graph, seed=c.seed + seed)
+             for c in run.matrix(backends, full, **overrides)]
+    for c in cases:
+        c.check(oracle.tiny_config(oracle.TinyModel(heads=c.heads)))
+    report.info(f"e2e: {len(cases)} case(s) x their budgets, {', '.join(backends)}; the oracle's greedy decoding "
+                "first")
+    with report.progress("e2e", run.work(cases)) as advance:
+        results = run.run_matrix(cases, device, advance)
+    rope = oracle.rope_agreement(oracle.build_model())
+    doc = {"cases": [{**c.__dict__, "label": c.label()} for c in cases],
+           "bounds": {"f64_rel": verdict.F64_REL, "bf16_rel": verdict.BF16_REL, "sigmas": verdict.SIGMAS},
+           "rope_vs_transformers": rope, "budgets": [r.to_dict() for r in results],
+           "passed": all(r.passed for r in results)}
     write_json_file(out_json, doc)
     if json_out:
         report.emit_json(doc)
     else:
-        views.show_e2e(results, settings)
+        views.show_e2e(results, doc)
     if not doc["passed"]:
         raise typer.Exit(EXIT_CHECK_FAILED)
 

@@ -1,44 +1,43 @@
-"""Tree speculative decoding against plain greedy decoding, token for token (kdev e2e).
+"""Tree speculative decoding against plain greedy decoding, logits against logits (kdev e2e).
 
-Per batch of prompts and node budget: prefill (each prompt as chains through the adapter), then rounds of draft ->
-DDTree build (torch.ops.kdev.build_ddtree) -> one verify forward over every tree -> greedy accept
+Per batch of prompts and node budget: prefill (each prompt as chains through the adapter, in chunks), then rounds of
+draft -> DDTree build (torch.ops.kdev.build_ddtree) -> one verify forward over every tree -> greedy accept
 (torch.ops.kdev.accept_greedy) -> KV compaction (torch.ops.kdev.compact_kv) -> the bonus token as the next root. On
-CUDA the ops are kdev's kernels; on the CPU their references. The emitted tokens are compared with the oracle's greedy
-tokens: in float64 (backend `reference`) every difference fails; with bf16 kernels a difference is excused only where
-the oracle's top-2 logit gap at that position is within TIE_REL of the larger logit (docs/e2e.md derives it), and a
-prompt is compared no further than its first excused position (the two decodings then see different text).
+CUDA the ops are kdev's kernels; on the CPU their references. At every accepted and bonus position the verify
+forward's logits are compared with the oracle's (verdict.py: the bound of each precision, near-ties excused and
+teacher-forced), and the accept walk and emitted tokens with the oracle's tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from kdev import cabi, ops  # noqa: F401  (ops: importing it registers torch.ops.kdev)
-from kdev.e2e import adapter, oracle
+from kdev.e2e import adapter, oracle, verdict
 from kdev.e2e.drafter import OracleDrafter
 from kdev.errors import BadInput
 
-# bf16 verify attention: each layer's latent output carries its rounding (2^-9 relative) and the kernel's bf16 P in
-# P.V (another 2^-9); through the residual stream both reach the logits of every later layer. Two roundings per
-# layer, two layers' worth of margin, on both logits of the pair: 2 x 2 x 2 x 2^-9 = 2^-6 of the larger logit.
-TIE_REL = 2.0**-6
-MUTANTS = ("mask-bit", "kv-position", "compact-slot")
+# planted faults (the tests show each caught): the attention's (adapter.py) and the tree ops': compaction from the slot
+# to the left of each accepted node's, from a sibling's slot, and the bonus token taken from the last accepted node's
+# parent
+MUTANTS = (*adapter.MUTANTS, "compact-slot", "sibling-compact", "bonus-parent")
 
 
 @dataclass
 class Difference:
+    """An emitted token (or accept walk) that is not the oracle's where the logits said it would be."""
+
     prompt: int
     round: int  # 0: the prefill's token
     position: int  # index among the generated tokens
     got: int
     want: int
-    gap: float
-    excused: bool
+    what: str
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -55,37 +54,63 @@ class BudgetResult:
     accepted_per_round: float  # drafted tokens accepted, mean per request and round
     tokens_per_round: float  # accepted + the bonus token
     seconds: dict = field(default_factory=dict)  # stage -> total seconds
-    differences: list = field(default_factory=list)
+    differences: list = field(default_factory=list)  # emitted tokens or walks that are not the oracle's
+    case: str = ""  # Settings.label()
+    compared: int = 0  # positions whose logits were compared
+    worst: float = 0.0  # the largest error / bound over them
+    positions: list = field(default_factory=list)  # the excused and the failing ones (verdict.Position)
+    max_position: int = 0  # the largest RoPE position reached
+    max_nodes: int = 0  # the largest tree (nodes, root included)
+    prefill_chunks: int = 0  # the most chunks a prompt was prefilled in
+
+    @property
+    def failed_positions(self) -> list:
+        return [p for p in self.positions if p.status == "fails"]
+
+    @property
+    def excused(self) -> list:
+        return [p for p in self.positions if p.status == "excused"]
 
     @property
     def passed(self) -> bool:
-        return not any(not d.excused for d in self.differences)
+        return not self.differences and not self.failed_positions and self.compared > 0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["differences"] = [x.to_dict() for x in self.differences]
+        d["positions"] = [x.to_dict() for x in self.positions]
+        d["excused"], d["failed"] = len(self.excused), len(self.failed_positions)
         d["passed"] = self.passed
         return d
 
 
 @dataclass(frozen=True)
 class Settings:
-    prompts: int = 8
-    rounds: int = 16
-    budgets: tuple = (16,)
+    prompts: int = 3
+    rounds: int = 5
+    budgets: tuple = (16, 64, 256)
     page_size: int = 64
     backend: str = "reference"
     depth: int = 8
     topk: int = 4
     agree: float = 0.7
-    min_prompt: int = 8
-    max_prompt: int = 48
+    min_prompt: int = 130  # 130..200 tokens: 3 and 4 pages of 64 once the rounds are in
+    max_prompt: int = 200
     seed: int = 0
     mutant: str | None = None
     graph: bool = False  # each budget's verify forward captured in a CUDA graph and replayed (CUDA only)
-    prefill_chunk: int = cabi.MAX_QLEN - 1  # prompt tokens per prefill forward (a chain of at most MAX_QLEN rows)
+    prefill_chunk: int = 64  # prompt tokens per prefill forward (a chain of at most MAX_QLEN rows)
+    kdev_rope: bool = True  # kdev's apply_rope and YaRN in the adapter (False: transformers' rotation, its cos/sin)
+    position_offset: int = 0  # added to every RoPE position, the oracle's too (positions past 4,096 on a short cache)
+    heads: int = 8  # the oracle's heads (8: Kimi K2.x's per GPU at TP8; 64: attention DP's)
+
+    def label(self) -> str:
+        return (f"{self.backend}, page {self.page_size}, {self.heads} heads, prompts {self.min_prompt}..{self.max_prompt}"
+                + (f" at RoPE +{self.position_offset}" if self.position_offset else ""))
 
     def check(self, model) -> None:
+        """One line for the first bad setting; `model`: the model or its transformers config."""
+        cfg = getattr(model, "config", model)
         for b in self.budgets:
             if not 1 <= b <= cabi.MAX_BUDGET:
                 raise BadInput(f"--budget {b}: 1 to {cabi.MAX_BUDGET} nodes besides the root (kdev's largest tree)")
@@ -102,10 +127,10 @@ class Settings:
             raise BadInput(f"prompt lengths {self.min_prompt}..{self.max_prompt}: 1 to {cabi.MAX_PREFIX} tokens")
         if not 1 <= self.prefill_chunk <= cabi.MAX_QLEN:
             raise BadInput(f"prefill chunk {self.prefill_chunk}: 1 to {cabi.MAX_QLEN} tokens (one chain per call)")
-        longest = self.max_prompt + 1 + self.rounds * (self.depth + 1) + self.depth
-        if longest > model.config.max_position_embeddings:
+        longest = self.position_offset + self.max_prompt + 1 + self.rounds * (self.depth + 1) + self.depth
+        if longest > cfg.max_position_embeddings:
             raise BadInput(f"a prompt of {self.max_prompt} tokens and {self.rounds} rounds reach position {longest}, "
-                           f"past the model's {model.config.max_position_embeddings}")
+                           f"past the model's {cfg.max_position_embeddings}")
         if self.backend not in adapter.BACKENDS:
             raise BadInput(f"--backend {self.backend!r}: one of {', '.join(adapter.BACKENDS)}")
         if not 0.0 <= self.agree <= 1.0:
@@ -120,10 +145,15 @@ def prompts_for(settings: Settings, vocab: int) -> list[list[int]]:
     return [rng.integers(0, vocab, int(n)).tolist() for n in lens]
 
 
-def references(model, prompts: list[list[int]], settings: Settings) -> list[oracle.Reference]:
+def references(model, prompts: list[list[int]], settings: Settings, progress=None) -> list[oracle.Reference]:
     """Enough greedy tokens for every round to accept its whole depth, and the drafter's look-ahead past it."""
     n = 1 + settings.rounds * (settings.depth + 1) + settings.depth
-    return [oracle.greedy(model, p, n) for p in prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        out.append(oracle.greedy(model, p, n, settings.position_offset))
+        if progress:
+            progress(f"oracle's greedy decoding, prompt {i + 1}")
+    return out
 
 
 class _Clock:
@@ -147,10 +177,11 @@ class _Clock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _logits(model, tokens: torch.Tensor, positions: torch.Tensor, latent=None) -> torch.Tensor:
     """The model's own modules in its order (embedding, rotary table, decoder layers, norm, LM head), without the
     causal mask the model would build for its stock attention: the adapter takes the tree mask, and the mask's host
-    checks could not be captured in a CUDA graph."""
+    checks could not be captured in a CUDA graph. The final norm's 1 / rms per row goes to latent.inv_rms (the bf16
+    bound reads it)."""
     m = model.model
     with torch.no_grad():
         hidden = m.embed_tokens(tokens[None])
@@ -159,6 +190,9 @@ def _logits(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
         for layer in m.layers:
             hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=emb)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+        if latent is not None:
+            h = hidden[0].double()
+            latent.inv_rms = torch.rsqrt(h.square().mean(-1) + m.norm.variance_epsilon)
         return model.lm_head(m.norm(hidden))[0]
 
 
@@ -177,7 +211,7 @@ class _GraphedVerify:
             torch.zeros(batch, dtype=torch.int32, device=device),
             torch.zeros(n, (nodes + 63) // 64, dtype=torch.int64, device=device),
             torch.arange(batch, device=device).repeat_interleave(nodes), torch.zeros(n, dtype=torch.long, device=device),
-            nodes, bound, mutant)
+            nodes, bound, mutant, self.positions)
 
     def __call__(self, prefix: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         st = self.step
@@ -193,18 +227,47 @@ class _GraphedVerify:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                _logits(self.model, self.tokens, self.positions)  # warm-up outside the capture
+                _logits(self.model, self.tokens, self.positions, self.latent)  # warm-up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = _logits(self.model, self.tokens, self.positions)
+                self.out = _logits(self.model, self.tokens, self.positions, self.latent)
         self.latent.timed = True
         self.graph.replay()
         return self.out
 
 
+class _Judge:
+    """Compares the verify forward's logits at a batch of rows with the oracle's (verdict.py) and keeps the record."""
+
+    def __init__(self, model, refs, bf16: bool):
+        self.refs, self.bounds = refs, verdict.Bounds(model, bf16)
+        self.compared, self.worst, self.positions = 0, 0.0, []
+
+    def rows(self, logits, latent, rows: list, where: list) -> None:
+        """rows: indices into the forward's rows; where: (prompt, round, generated index) of each."""
+        if not rows:
+            return
+        idx = torch.tensor(rows, device=logits.device)
+        got = logits[idx].double().cpu()
+        want = torch.stack([self.refs[b].logits[i] for b, _, i in where])
+        outs = [latent.outputs[k][idx] for k in sorted(latent.outputs)]
+        bound = self.bounds.of(want, outs, latent.inv_rms[idx])
+        for j, (b, r, i) in enumerate(where):
+            ratio, err, bnd, arg, status = verdict.judge(got[j], want[j], bound[j], self.refs[b].tokens[i])
+            self.compared += 1
+            self.worst = max(self.worst, ratio)
+            if status != "ok":
+                gap = self.refs[b].gap(i)
+                why = (f"argmax {arg}, the oracle's {self.refs[b].tokens[i]}: a near-tie (top-2 gap {gap:.3g}), logits "
+                       f"within the bound (error {err:.3g} <= {bnd:.3g}); the oracle's token taken"
+                       if status == "excused" else f"error {err:.3g} > bound {bnd:.3g} ({ratio:.3g} x)")
+                self.positions.append(verdict.Position(b, r, i, ratio, err, bnd, arg, self.refs[b].tokens[i], gap,
+                                                       status, why))
+
+
 def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cpu", progress=None) -> BudgetResult:
-    """One budget: prefill, settings.rounds rounds, the comparison."""
+    """One budget: prefill, settings.rounds rounds, the comparison at every accepted and bonus position."""
     B, D = len(prompts), settings.depth
     reference = settings.backend == "reference"
     dtype = torch.float64 if reference else torch.bfloat16
@@ -212,33 +275,44 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
     cache = adapter.PagedLatentCache(len(model.model.layers), B, max_len, settings.page_size, dtype, device,
                                      settings.seed + 1)
     clock = _Clock(device)
-    latent = adapter.LatentAttention(cache, settings.backend, clock.sync)
+    # kdev's RoPE builds its YaRN table on the host each call, which a CUDA graph cannot capture: --graph rotates with
+    # transformers' function and the model's (float64) cos/sin
+    rope = oracle.kdev_config(model.config) if settings.kdev_rope and not settings.graph else None
+    latent = adapter.LatentAttention(cache, settings.backend, clock.sync, rope)
     drafter = OracleDrafter(D, settings.topk, model.config.vocab_size, settings.agree, settings.seed + 2)
+    judge = _Judge(model, refs, not reference)
     stock = adapter.swap_attention(model, latent)
     emitted: list[list[int]] = [[] for _ in range(B)]
-    emitted_round: list[list[int]] = [[] for _ in range(B)]
-    accepted_total = 0
+    differences: list[Difference] = []
+    accepted_total = max_pos = max_nodes = chunks = 0
     graphed = None
     try:
         # prefill: each prompt as chains of up to prefill_chunk tokens, each after the chunks before it (a prompt
-        # already done takes no rows); the first generated token is the argmax at a prompt's last position
+        # already done takes no rows); the logits at a prompt's last position give the first generated token
         lens = [len(p) for p in prompts]
         done = [0] * B
         while any(d < n for d, n in zip(done, lens)):
+            chunks += 1
             sizes = [min(settings.prefill_chunk, n - d) for d, n in zip(done, lens)]
             words = max(1, (max(sizes) + 63) // 64)  # one mask width for the batch
             mask = torch.from_numpy(np.concatenate([_chain_mask(t, words) for t in sizes]).view(np.int64))
             step = _step(sizes, done, mask, max(sizes), max(d + t for d, t in zip(done, sizes)), settings.mutant,
-                         device)
+                         device, offset=settings.position_offset)
             tokens = torch.tensor(sum((p[d:d + t] for p, d, t in zip(prompts, done, sizes)), []))
-            logits = _forward(model, latent, step, tokens, torch.cat([d + torch.arange(t) for d, t in zip(done, sizes)]),
-                              clock, device)
+            logits = _forward(model, latent, step, tokens, settings.position_offset + torch.cat(
+                [d + torch.arange(t) for d, t in zip(done, sizes)]), clock, device)
             ends = np.cumsum(sizes) - 1
+            rows, where = [], []
             for b in range(B):
                 done[b] += sizes[b]
                 if sizes[b] and done[b] == lens[b]:
-                    emitted[b].append(int(logits[ends[b]].argmax()))
-                    emitted_round[b].append(0)
+                    rows.append(int(ends[b]))
+                    where.append((b, 0, 0))
+                    emitted[b].append(refs[b].tokens[0])  # teacher-forced: the logits are what is judged
+            with clock.stage("compare"):
+                judge.rows(logits, latent, rows, where)
+        if progress:
+            progress("prefill")
         L = torch.tensor(lens, dtype=torch.int32)
         for r in range(1, settings.rounds + 1):
             with clock.stage("draft"):
@@ -250,53 +324,93 @@ def run_budget(model, prompts, refs, settings: Settings, budget: int, device="cp
                                                    roots.to(device), L.to(device), budget)
             tokens, parents, depths, positions, masks, count = (t.cpu() for t in tree)
             n = count.tolist()
+            max_nodes = max(max_nodes, *n)
             flat_tokens = torch.cat([tokens[b, :n[b]] for b in range(B)]).long()
             flat_pos = torch.cat([positions[b, :n[b]] for b in range(B)]).long()
             flat_mask = torch.cat([masks[b, :n[b]] for b in range(B)])
+            max_pos = max(max_pos, int(flat_pos.max()) + settings.position_offset)
             if settings.graph:
                 if set(n) != {budget + 1}:
                     raise BadInput(f"--graph: a tree of {min(n)} nodes, not budget + 1: the drafter's depth x top-k "
                                    "cannot fill the budget")
                 graphed = graphed or _GraphedVerify(model, latent, B, budget + 1, max_len, settings.mutant, device)
                 with clock.stage("verify forward (graph)"):
-                    logits = graphed(L.to(device), flat_mask.to(device), flat_tokens.to(device), flat_pos.to(device))
+                    logits = graphed(L.to(device), flat_mask.to(device), flat_tokens.to(device),
+                                     (flat_pos + settings.position_offset).to(device))
             else:
-                step = _step(n, L.tolist(), flat_mask, max(n), int((L + count).max()), settings.mutant, device)
-                logits = _forward(model, latent, step, flat_tokens, flat_pos, clock, device)
+                step = _step(n, L.tolist(), flat_mask, max(n), int((L + count).max()), settings.mutant, device,
+                             flat_pos, settings.position_offset)
+                logits = _forward(model, latent, step, flat_tokens, flat_pos + settings.position_offset, clock, device)
+            # the accepted path, teacher-forced onto the oracle's tokens: from the root, the child whose token is the
+            # oracle's next one; its logits are compared (a near-tie takes the oracle's token, a failure is recorded)
             target = torch.zeros(B, tokens.shape[1], dtype=torch.int32)
             starts = np.cumsum([0] + n)
+            rows, where, paths = [], [], []
             for b in range(B):
                 target[b, :n[b]] = logits[starts[b]:starts[b + 1]].argmax(-1).to(torch.int32).cpu()
+                g0, node, path = len(emitted[b]), 0, []
+                children: dict = {}
+                for i in range(1, n[b]):
+                    children.setdefault(int(parents[b, i]), []).append(i)
+                while True:
+                    want = refs[b].tokens[g0 + len(path)]
+                    path.append(node)
+                    rows.append(int(starts[b]) + node)
+                    where.append((b, r, g0 + len(path) - 1))
+                    target[b, node] = want
+                    node = next((c for c in children.get(node, ()) if int(tokens[b, c]) == want), None)
+                    if node is None:
+                        break
+                paths.append(path)
+            with clock.stage("compare"):
+                judge.rows(logits, latent, rows, where)
             with clock.stage("accept"):
                 acc, acc_len, bonus = (t.cpu() for t in torch.ops.kdev.accept_greedy(
                     tokens.to(device), parents.to(device), count.to(device), target.to(device)))
+            if settings.mutant == "bonus-parent":  # the bonus token from the last accepted node's parent
+                for b in range(B):
+                    k = int(acc_len[b])
+                    if k > 1:
+                        bonus[b] = target[b, int(parents[b, int(acc[b, k - 1])])]
             with clock.stage("compact"):
                 moved = acc.clone()
                 if settings.mutant == "compact-slot":
                     moved = torch.where(moved > 0, moved - 1, moved)  # a slot to the left of each accepted node's
+                if settings.mutant == "sibling-compact":  # an accepted node's sibling's row where it has one
+                    for b in range(B):
+                        for j in range(1, int(acc_len[b])):
+                            node = int(acc[b, j])
+                            sib = [i for i in range(1, n[b]) if i != node and int(parents[b, i]) == int(parents[b, node])]
+                            if sib:
+                                moved[b, j] = sib[0]
                 for pool in cache.pools:
                     torch.ops.kdev.compact_kv(pool, cache.page_table, L.to(device), moved.to(device),
                                               acc_len.to(device))
             for b in range(B):
-                k = int(acc_len[b])
+                k, g0 = int(acc_len[b]), len(emitted[b])
+                walk = acc[b, :k].tolist()
                 new = tokens[b, acc[b, 1:k].long()].tolist() + [int(bonus[b])]
+                if walk != paths[b]:
+                    differences.append(Difference(b, r, g0, -1, -1, f"accept walk {walk}, the oracle's {paths[b]}"))
+                for j, tok in enumerate(new):
+                    if tok != refs[b].tokens[g0 + j]:
+                        what = "bonus token" if j == len(new) - 1 else "accepted token"
+                        differences.append(Difference(b, r, g0 + j, tok, refs[b].tokens[g0 + j], what))
+                        break
                 emitted[b] += new
-                emitted_round[b] += [r] * len(new)
                 accepted_total += k - 1
             L = L + acc_len
             if progress:
-                progress()
+                progress(f"budget {budget} round {r}")
     finally:
         adapter.restore_attention(model, stock)
     seconds = dict(clock.seconds)
     seconds["rest of forward"] = seconds.pop("forward", 0.0) - latent.seconds
     seconds["verify attention"] = latent.seconds
-    differences = compare(emitted, emitted_round, refs, reference)
-    first = {d.prompt: d.position for d in differences}  # a prompt is compared up to its first difference
-    compared = sum(first.get(b, len(emitted[b])) for b in range(B))
     rounds = B * settings.rounds
-    return BudgetResult(budget, settings.page_size, settings.backend, settings.rounds, B, compared,
-                        accepted_total / rounds, (accepted_total + rounds) / rounds, seconds, differences)
+    return BudgetResult(budget, settings.page_size, settings.backend, settings.rounds, B, sum(map(len, emitted)),
+                        accepted_total / rounds, (accepted_total + rounds) / rounds, seconds, differences,
+                        settings.label(), judge.compared, judge.worst, judge.positions, max_pos, max_nodes, chunks)
 
 
 def _chain_mask(n: int, words: int | None = None) -> np.ndarray:
@@ -305,46 +419,87 @@ def _chain_mask(n: int, words: int | None = None) -> np.ndarray:
     return ddtree.tree_mask_rows(ddtree.chain_tree(n, np.zeros(n, np.int64)), words or ddtree.mask_words(n))
 
 
-def _step(sizes, prefix, mask, max_qlen, max_kv_len, mutant, device) -> adapter.VerifyStep:
+def _step(sizes, prefix, mask, max_qlen, max_kv_len, mutant, device, rope_position=None,
+          offset: int = 0) -> adapter.VerifyStep:
     q_indptr = torch.tensor(np.concatenate([[0], np.cumsum(sizes)]), dtype=torch.int32)
     request = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     position = torch.cat([p + torch.arange(n) for p, n in zip(prefix, sizes)])
     return adapter.VerifyStep(q_indptr.to(device), torch.tensor(prefix, dtype=torch.int32).to(device),
                               mask.to(device), request.to(device), position.to(device), int(max_qlen),
-                              int(max_kv_len) + 1, mutant)
+                              int(max_kv_len) + 1, mutant,
+                              None if rope_position is None else rope_position.to(device), offset)
 
 
 def _forward(model, latent, step, tokens, positions, clock, device) -> torch.Tensor:
     latent.step = step
     with clock.stage("forward"):
-        return _logits(model, tokens.to(device), positions.to(device))
-
-
-def compare(emitted, emitted_round, refs, exact: bool) -> list[Difference]:
-    """The first difference of each prompt (a later one would follow from it): failed, or excused where bf16 may
-    flip the oracle's top-2 (never in float64)."""
-    out = []
-    for b, (got, ref) in enumerate(zip(emitted, refs)):
-        for i, (g, w) in enumerate(zip(got, ref.tokens)):
-            if g != w:
-                gap = ref.gaps[i]
-                excused = not exact and gap <= TIE_REL * max(abs(ref.tops[i]), 1.0)
-                out.append(Difference(b, emitted_round[b][i], i, g, w, gap, excused))
-                break
-    return out
+        return _logits(model, tokens.to(device), positions.to(device), latent)
 
 
 def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs=None) -> list[BudgetResult]:
     """Every budget of settings on one model and one set of prompts, the references decoded once (by the stock model,
     on the same device) unless given."""
-    model = model if model is not None else oracle.build_model()
+    model = model if model is not None else oracle.build_model(oracle.TinyModel(heads=settings.heads))
     settings.check(model)
-    if settings.graph and (torch.device(device).type != "cuda" or settings.backend == "reference"):
-        raise BadInput("--graph: a kernel backend on --device cuda (the float64 reference reads lengths on the host)")
+    if settings.graph and (torch.device(device).type != "cuda" or settings.backend in ("reference", adapter.EMULATED)):
+        raise BadInput("--graph: a kernel backend on --device cuda (the float64 reference and the bf16 emulation read "
+                       "lengths on the host)")
     prompts = prompts_for(settings, model.config.vocab_size)
     model = model.to(device)
-    refs = refs if refs is not None else references(model, prompts, settings)
     try:
+        refs = refs if refs is not None else references(model, prompts, settings, progress)
         return [run_budget(model, prompts, refs, settings, b, device, progress) for b in settings.budgets]
     finally:
         model.to("cpu")
+
+
+# the default matrix (docs/e2e.md): >= 3 pages of 64 and a run at page size 1, trees of 17, 65 and 257 nodes (1, 2
+# and 5 mask words), prompts prefilled in chunks of 64, 8 heads, RoPE positions past 4,096 with Kimi K2's YaRN
+DEFAULT_CASES = (Settings(), Settings(budgets=(64,), page_size=1, seed=1),
+                 Settings(prompts=2, budgets=(64,), position_offset=5000, seed=2))
+# the fuller matrix (--full): budgets 1..512, pages of 16, a real 4K+ prefix (chunks of 1,024), 64 heads
+FULL_CASES = DEFAULT_CASES + (
+    Settings(budgets=(1, 2, 4, 8, 32, 128, 512), seed=3, rounds=4),
+    Settings(budgets=(16, 256), page_size=16, seed=4),
+    Settings(prompts=1, rounds=3, budgets=(64,), min_prompt=4200, max_prompt=4300, prefill_chunk=1024, seed=5),
+    Settings(prompts=2, rounds=3, budgets=(64,), heads=64, seed=6),
+)
+
+
+def matrix(backends: tuple, full: bool = False, **overrides) -> list[Settings]:
+    """Every case of the default (or fuller) matrix for every backend, with `overrides` (Settings fields) applied."""
+    cases = FULL_CASES if full else DEFAULT_CASES
+    return [replace(c, backend=b, **overrides) for c in cases for b in backends]
+
+
+def work(cases: list[Settings]) -> int:
+    """Progress steps of run_matrix: one per reference decode, prefill and round."""
+    keys = {_refs_key(c): c.prompts for c in cases}
+    return sum(keys.values()) + sum(len(c.budgets) * (c.rounds + 1) for c in cases)
+
+
+def _refs_key(c: Settings) -> tuple:
+    return (c.heads, c.prompts, c.seed, c.min_prompt, c.max_prompt, c.rounds, c.depth, c.position_offset)
+
+
+def run_matrix(cases: list[Settings], device: str = "cpu", progress=None) -> list[BudgetResult]:
+    """Every case, one model per head count and one reference decode per set of prompts (shared by the backends)."""
+    for c in cases:  # every case's settings before any model is built
+        c.check(oracle.tiny_config(oracle.TinyModel(heads=c.heads)))
+    models: dict = {}
+    refs: dict = {}
+    for c in cases:
+        if c.heads not in models:
+            models[c.heads] = oracle.build_model(oracle.TinyModel(heads=c.heads))
+    out = []
+    for c in cases:
+        model = models[c.heads]
+        key = _refs_key(c)
+        if key not in refs:
+            model.to(device)
+            try:
+                refs[key] = references(model, prompts_for(c, model.config.vocab_size), c, progress)
+            finally:
+                model.to("cpu")
+        out += run(c, device, progress, model, refs[key])
+    return out

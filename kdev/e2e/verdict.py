@@ -1,0 +1,107 @@
+"""The verdict of `kdev e2e`: at every accepted and bonus position, the verify forward's logits against the oracle's.
+
+A compared position is a tree node on the accepted path (its logits give the next accepted token or the bonus token)
+or a prompt's last token (they give the first generated token). The oracle's logits there are those of transformers'
+greedy decoding at the same generated index: the speculative run is teacher-forced onto the oracle's tokens (a
+position whose argmax differs but whose logits are within the bound is a near-tie: excused, and the oracle's token is
+taken), so every position has its oracle twin however many near-ties came before.
+
+A position passes when |logit_v - oracle_v| <= bound_v for every vocabulary entry v:
+
+- float64 (backend `reference`): bound_v = F64_REL x (1 + max |oracle logit|): the two paths differ only by the order
+  of float64 operations (absorbed against un-absorbed attention, kdev's RoPE against transformers').
+- bf16 (a kernel, or `bf16-emulated`): the float64 bound plus SIGMAS x PROPAGATION standard deviations of the error
+  the kernels' arithmetic puts on the logits, to first order. Each layer's latent output element o[h, c] is taken to
+  carry independent noise of standard deviation BF16_REL x (|o[h, c]| + rms_c o[h, :]): one bf16 ulp of the element
+  or of its row, whichever is larger (the output's own rounding is half an ulp; P rounded to bf16 in P.V and the bf16
+  q and cache rows add about as much again). The logits are linear in it along the residual stream (W_UV, o_proj,
+  the final RMSNorm at this row's scale, the LM head: M_l [vocab, H x 512] per layer l), so
+  sigma_v^2 = sum_l sum_hc M_l[v, hc]^2 sigma_l[hc]^2 / rms^2. That model leaves out the score errors of the bf16 q
+  and cache rows, which the softmax turns into output errors of their own; PROPAGATION covers them, and any mixing of
+  an earlier layer's error by later layers. Measured on the default matrix (docs/e2e.md), the bf16-emulated run's
+  largest |error| is 0.4 to 0.7 of this bound (4.6 to 8.4 sigma), and a softmax scale x 1.001 reaches 1.3 to 1.5 of it
+  at 10 to 30 positions per case: the bound sits between the two, and tests/test_e2e.py checks both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+F64_REL = 2.0**-40  # ~9e-13: float64's 2^-52 with 2^12 of room for the order of operations
+BF16_REL = 2.0**-8  # one bf16 ulp of the element or its row
+SIGMAS = 6.0
+PROPAGATION = 2.0  # the score errors the sigma model leaves out (measured: see above)
+
+
+@dataclass
+class Position:
+    """One compared position: the verify forward's logits against the oracle's at generated index `index`."""
+
+    prompt: int
+    round: int  # 0: the prefill's position
+    index: int  # generated token index it predicts
+    ratio: float  # max_v |logit_v - oracle_v| / bound_v (<= 1 passes)
+    error: float  # max_v |logit_v - oracle_v|
+    bound: float  # bound_v at that v
+    got: int  # the verify forward's argmax
+    want: int  # the oracle's token
+    gap: float  # the oracle's top-2 gap
+    status: str  # "ok", "excused" (a near-tie: argmax differs, logits within the bound), "fails"
+    why: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Bounds:
+    """The per-vocabulary-entry logit bound at a batch of rows, for one model and precision."""
+
+    def __init__(self, model, bf16: bool):
+        self.bf16 = bf16
+        self.m2 = []
+        if not bf16:
+            return
+        with torch.no_grad():
+            lm = model.lm_head.weight.double() * model.model.norm.weight.double()  # [V, hidden]
+            for layer in model.model.layers:
+                a = getattr(layer.self_attn, "attn", layer.self_attn)
+                h, nope, v = a.num_heads, a.qk_nope_head_dim, a.v_head_dim
+                w_uv = a.kv_b_proj.weight.double().view(h, nope + v, a.kv_lora_rank)[:, nope:]  # [H, 128, 512]
+                m = (lm @ a.o_proj.weight.double()).view(-1, h, v)  # [V, H, 128]
+                self.m2.append(torch.einsum("vhd,hdc->vhc", m, w_uv).reshape(m.shape[0], -1).square())
+
+    def of(self, oracle_logits: torch.Tensor, outputs: list, inv_rms: torch.Tensor) -> torch.Tensor:
+        """bound [R, V] at R rows: the oracle's logits there [R, V]; the bf16 case also each layer's latent output
+        at those rows ([R, H, 512] per layer) and the final norm's 1 / rms per row [R]."""
+        floor = F64_REL * (1.0 + oracle_logits.abs().amax(-1, keepdim=True))
+        if not self.bf16:
+            return floor.expand_as(oracle_logits)
+        var = torch.zeros_like(oracle_logits)
+        for o, m2 in zip(outputs, self.m2):
+            o = o.double().cpu()
+            row = o.square().mean(-1, keepdim=True).sqrt()
+            sigma2 = (BF16_REL * (o.abs() + row)).square().reshape(len(o), -1)
+            var += sigma2 @ m2.T
+        sigma = var.sqrt() * inv_rms.double().cpu()[:, None]
+        return floor + SIGMAS * PROPAGATION * sigma
+
+
+def judge(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, want_token: int) -> tuple[float, float, float,
+                                                                                                 int, str]:
+    """(ratio, error, bound, argmax, status) of one row: the largest |got - want| / bound, that error and its bound,
+    the row's argmax and whether it passes, is an excused near-tie, or fails (NaN fails)."""
+    diff = (got - want).abs()
+    r = diff / bound
+    r = torch.where(torch.isnan(r), torch.full_like(r, float("inf")), r)
+    v = int(r.argmax())
+    ratio = float(r[v])
+    arg = int(got.argmax()) if not torch.isnan(got).any() else -1
+    if ratio > 1.0:
+        status = "fails"
+    elif arg != want_token:
+        status = "excused"
+    else:
+        status = "ok"
+    return ratio, float(diff[v]), float(bound[v]), arg, status
