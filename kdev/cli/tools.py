@@ -217,6 +217,8 @@ def e2e_cmd(
                                               "cost model (default: configs/steps/kimi-k2.6-rtx-pro-6000-tp8.yaml)."),
     batch: int = typer.Option(1, "--batch", min=1, help="With --acceptance: requests per step."),
     prefix: int = typer.Option(32768, "--prefix", min=0, help="With --acceptance: tokens of each request's prefix."),
+    topology: str = typer.Option("tp", "--topology", help="With --acceptance: tp (tensor parallel over every GPU) or "
+                                 "dp-ep (attention data parallel, experts spread over the GPUs)."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="With --acceptance: a PNG of tokens/s by budget."),
     out_json: Optional[Path] = typer.Option(None, "--out-json", help="Also write the JSON document to this file."),
     json_out: bool = JsonOpt,
@@ -249,14 +251,15 @@ def e2e_cmd(
     # the deploy curve's own options do nothing to a decoding run: refused rather than ignored
     given = ctx.get_parameter_source
     deploy_only = [opt for name, opt in (("attention", "--attention"), ("step_costs", "--step-costs"),
-                                        ("batch", "--batch"), ("prefix", "--prefix"), ("plot_out", "--plot"))
+                                        ("batch", "--batch"), ("prefix", "--prefix"), ("plot_out", "--plot"),
+                                        ("topology", "--topology"))
                    if given(name) not in (None, ParameterSource.DEFAULT)]
     if acceptance is None and deploy_only:
         raise BadInput(f"{', '.join(deploy_only)}: only with --acceptance (the budget curve of a deploy); "
                        "without it kdev e2e decodes on a small model")
     if acceptance is not None:
         b = backends[0] if backends else "reference"
-        _deploy_curve(acceptance, attention, step_costs, budgets or (16,), batch, prefix, b, plot_out, out_json,
+        _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, b, topology, plot_out, out_json,
                       json_out)
         return
     if backends is None:
@@ -292,30 +295,49 @@ def e2e_cmd(
         raise typer.Exit(EXIT_CHECK_FAILED)
 
 
-def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, plot_out, out_json, json_out):
+def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, backend, topology, plot_out, out_json,
+                  json_out):
     from kdev.cli import write_json_file
     from kdev.e2e import deploy
 
     if attention is None:
         raise BadInput("--acceptance needs --attention (a kdev bench result over the budgets)")
-    costs = deploy.load_step_costs(step_costs or deploy.default_step_costs())
+    if topology not in deploy.TOPOLOGIES:
+        raise BadInput(f"--topology {topology!r}: one of {', '.join(deploy.TOPOLOGIES)}")
+    path = step_costs or deploy.default_step_costs()
+    costs = deploy.load_step_costs(path)
+    dep = deploy.load_deploy(path)
     curve, source = deploy.load_acceptance(acceptance)
     kernel = registry.DEFAULT if backend == "reference" else backend
-    times, timed_on = deploy.load_attention(attention, batch, prefix, costs.heads // costs.tensor_parallel, kernel)
+    # tp: each GPU attends with its share of the heads for every request; dp-ep: the busiest GPU with all of them for
+    # its requests
+    heads = costs.heads // dep.gpus if topology == "tp" else costs.heads
+    attn_batch = batch if topology == "tp" else -(-batch // dep.gpus)
+    times, timed_on = deploy.load_attention(attention, attn_batch, prefix, heads, kernel)
     if timed_on != costs.gpu_name:
         report.warn(f"the verify attention was timed on {timed_on}, the step costs are for {costs.gpu_name}: "
                     "time it on the deploy GPU for the deploy's curve")
-    rows = deploy.budget_curve(costs, times, curve, list(budgets), batch)
-    doc = {"step_costs": costs.__dict__, "acceptance": {"file": str(acceptance), "source": source},
-           "attention": {"file": str(attention), "kernel": kernel, "batch": batch, "prefix": prefix,
-                         "gpu": timed_on}, "budgets": rows}
+    if budgets is None:  # plain decoding and every power of two the acceptance curve and the timings reach
+        budgets = (0, *(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                        if min(curve) <= b <= max(curve) and b <= max(times)))
+    if any(b < 0 or b > 512 for b in budgets):
+        raise BadInput(f"--budget {','.join(map(str, budgets))}: 0 (plain decoding) to 512")
+    rows = deploy.projection(costs, dep, topology, times, curve, list(budgets), batch)
+    moves = deploy.sensitivity(costs, dep, topology, times, curve, list(budgets), batch)
+    measured = deploy.acceptance_measured(acceptance)
+    doc = {"projection": True, "illustrative": not measured, "step_costs": costs.__dict__,
+           "deploy": {k: (v.__dict__ if isinstance(v, deploy.Span) else v) for k, v in dep.__dict__.items()},
+           "topology": topology, "acceptance": {"file": str(acceptance), "source": source, "measured": measured},
+           "attention": {"file": str(attention), "kernel": kernel, "batch": attn_batch, "prefix": prefix,
+                         "heads": heads, "gpu": timed_on}, "budgets": rows, "sensitivity": moves}
     write_json_file(out_json, doc)
     if plot_out is not None:
-        deploy.plot(plot_out, rows, f"{costs.name}: B={batch}, prefix {prefix}, {kernel}")
+        deploy.plot(plot_out, rows, f"{'ILLUSTRATIVE ' if not measured else ''}projection: {costs.name}, {topology}, "
+                    f"B={batch}, prefix {prefix}, {kernel}")
     if json_out:
         report.emit_json(doc)
     else:
-        views.show_deploy_curve(rows, costs, batch, prefix, kernel, source)
+        views.show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, source, measured)
 
 
 # --------------------------------------------------------------------------------------------------- clean

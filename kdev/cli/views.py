@@ -481,21 +481,34 @@ def show_e2e(results, doc) -> None:
                 "(docs/e2e.md); a near-tie within them is excused and the oracle's token taken")
 
 
-def show_deploy_curve(rows, costs, batch, prefix, kernel, source) -> None:
-    table = [[r["budget"], f"{r['tokens_per_round']:.2f}",
-              f"{r['verify_attention_us']:,.0f}", f"{r['experts_touched']:.0f}", f"{r['weight_bytes'] / 1e9:.2f}",
-              f"{r['weights_us']:,.0f}", f"{r['allreduce_us']:,.0f}", f"{r['step_us']:,.0f}",
-              f"{100 * r['attention_share']:.0f}%",
-              report.styled(f"{r['tokens_per_s']:,.0f}", "green") if r["best"] else f"{r['tokens_per_s']:,.0f}"]
-             for r in rows]
+def show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, source, measured) -> None:
+    def us(v: float) -> str:
+        return f"{v:,.0f}"
+
+    table = [[r["budget"] or "0 (plain)", f"{r['tokens_per_round']:.2f}",
+              us(r["verify_attention_us"]) + ("*" if r["attention_upper_bound"] else ""),
+              f"{r['experts_touched']:.0f}", f"{r['weight_bytes'] / 1e9:.1f}", us(r["weights_us"]), us(r["comm_us"]),
+              us(r["drafter_us"]), us(r["other_us"]), us(r["step_us"]),
+              report.styled(f"{r['tokens_per_s']:,.0f}", "green") if r["best"] else f"{r['tokens_per_s']:,.0f}",
+              f"{r['tokens_per_s_high']:,.0f}..{r['tokens_per_s_low']:,.0f}"] for r in rows]
+    label = "PROJECTION" if measured else "ILLUSTRATIVE PROJECTION (acceptance assumed)"
     report.show(report.table(
-        f"{costs.name}: B={batch}, prefix {prefix}, {kernel}; acceptance: {source}",
-        ["budget", "tokens/round", "verify attn µs", "experts/layer", "weights GB", "weights µs", "all-reduce µs",
-         "step µs", "attn share", "tokens/s"], table))
+        f"{label}: {costs.name}, {topology}, B={batch}, prefix {prefix}, {kernel}; per GPU, µs a step",
+        ["budget", "tokens/round", "verify attn", "experts/layer", "weights GB", "weights", "comm", "drafter", "other",
+         "step", "tokens/s", "range"], table))
     best = next(r for r in rows if r["best"])
-    report.show(f"best budget {best['budget']}: {best['tokens_per_s']:,.0f} tokens/s; per GPU, the step reads its "
-                f"weights at {costs.bytes_per_s / 1e12:.2f} TB/s ({costs.gpu_name}), experts touched as if routing "
-                "were uniform (an upper bound)")
+    report.show(f"best budget {best['budget']}: {best['tokens_per_s']:,.0f} tokens/s "
+                f"({best['tokens_per_s_high']:,.0f} to {best['tokens_per_s_low']:,.0f} over the ranges below)")
+    report.show(f"acceptance: {source}")
+    report.show("what moves the best budget's tokens/s most (one input at each end, the others at their middle):")
+    for m in moves[:3]:
+        lo, hi = m["at_low"], m["at_high"]
+        report.show(f"  {m['input']} {m['low']:g} .. {m['high']:g}: best budget {lo['best_budget']} .. "
+                    f"{hi['best_budget']}, {lo['tokens_per_s']:,.0f} .. {hi['tokens_per_s']:,.0f} tokens/s "
+                    f"({m['source']})")
+    if any(r["attention_upper_bound"] for r in rows):
+        report.show("* below the bench's smallest budget: that budget's time (an upper bound)")
+    report.show(f"link: {dep.link}; experts touched as if routing were uniform (an upper bound)")
 
 
 # ---------------------------------------------------------------------------------------- clean, deploy, all

@@ -1,15 +1,20 @@
-"""The budget curve of a real deploy: which node budget makes tree speculation fastest on a given model and GPU.
+"""The budget curve of a real deploy: which node budget makes tree speculation fastest on a given model and GPUs.
 
 A decoding step verifies B trees of (budget + 1) nodes; it emits B x tau tokens, tau the mean tokens per round at that
-budget. Its time is the verify attention of every layer (measured: a `kdev bench` result over budgets) plus the rest
-of the step, from a declared cost model (configs/steps/*.yaml, each constant with its source): the weights read (for
-an MoE, the routed experts the step's tokens touch: a tree of 65 tokens at B = 1 touches ~286 of 384 experts), the
-all-reduces. tau comes from an acceptance curve given as a file (measured in production, say), not from the tiny
-model's drafter. tokens/s = B x tau / step time, per budget; the best budget is the curve's maximum.
+budget (budget 0: plain decoding, tau = 1). Its time is the verify attention of every layer (measured: a `kdev bench`
+result over budgets) plus the rest of the step, from a declared cost model (configs/steps/*.yaml, each constant with
+its source): per GPU, the weights the step reads at the memory bandwidth (weights every GPU holds counted whole; for
+an MoE, the routed experts the step's tokens touch), the router's weights, the communication (TP: two ring
+all-reduces a layer, each a latency per hop plus its payload over the link; attention DP with expert parallelism: a
+dispatch and a combine a MoE layer), the drafter and the step's other kernels as declared ranges. tau comes from an
+acceptance curve given as a file whose provenance is printed (one not marked measured makes the output
+illustrative). tokens/s = B x tau / step time: a projection, given as a range over the uncertain inputs (each a low
+and a high with its source), with the best budget and the inputs that move it most.
 
 What the model ignores, and says so: routing is taken as uniform over experts (real routing is skewed: fewer experts
-touched, so the weight term is an upper bound); weight reads run at the GPU's memory bandwidth with nothing
-overlapped; every other kernel of the step (norms, the drafter, sampling) is left out.
+touched, so the weight term is an upper bound); weight reads, attention and communication are not overlapped; below
+the smallest budget the bench timed, the verify attention is taken at that budget's time (an upper bound: it grows
+with the budget).
 """
 
 from __future__ import annotations
@@ -70,6 +75,89 @@ class StepCosts:
                 "experts_touched": self.experts_touched(tokens)}
 
 
+@dataclass(frozen=True)
+class Span:
+    """An input nobody here has measured, or a range: low and high, and where they come from."""
+
+    low: float
+    high: float
+    source: str
+
+    @property
+    def mid(self) -> float:
+        return (self.low + self.high) / 2
+
+    def at(self, corner: str) -> float:
+        return {"low": self.low, "mid": self.mid, "high": self.high}[corner]
+
+
+TOPOLOGIES = ("tp", "dp-ep")  # tensor parallel over every GPU; attention data parallel with expert parallelism
+
+
+@dataclass(frozen=True)
+class Deploy:
+    """What a step costs besides the verify attention, with ranges (configs/steps/*.yaml: `deploy:`)."""
+
+    gpus: int
+    bandwidth_efficiency: Span  # the share of the spec memory bandwidth weight reads reach
+    link_gbps: Span  # the all-reduce's bus bandwidth between the GPUs, GB/s
+    latency_us: Span  # one all-reduce's (or all-to-all's) fixed cost, whatever its payload, µs
+    link: str  # what the GPUs are connected by
+    activation_bytes: float
+    router_weight_bytes: float
+    drafter_us: Span
+    other_us: Span  # norms, sampling, launches: the step's other kernels
+
+    def allreduce_us(self, payload: float, corner: str) -> float:
+        """An all-reduce of `payload` bytes over the GPUs: its fixed latency, and 2 (n - 1) / n of the payload over
+        the link (a ring's traffic; the bus-bandwidth convention of nccl-tests)."""
+        n = self.gpus
+        slow = {"low": "high", "mid": "mid", "high": "low"}[corner]  # the low end of the time: the fast link
+        return self.latency_us.at(corner) + 2 * (n - 1) / n * payload / (self.link_gbps.at(slow) * 1e3)
+
+    def all_to_all_us(self, payload: float, corner: str) -> float:
+        """One all-to-all in which each GPU sends `payload` bytes, (n - 1) / n of them to the others."""
+        slow = {"low": "high", "mid": "mid", "high": "low"}[corner]
+        return self.latency_us.at(corner) + (self.gpus - 1) / self.gpus * payload / (self.link_gbps.at(slow) * 1e3)
+
+
+def step_parts(costs: StepCosts, dep: Deploy, topology: str, tokens: int, corner: str,
+               local_tokens: int | None = None) -> dict:
+    """Per GPU, µs and bytes of one step's parts besides the verify attention, at one corner of the ranges ("low":
+    every uncertain input at its fast end, "high" at its slow end). `tokens`: the step's tokens, every request's
+    tree; `local_tokens`: the most of them one GPU holds under dp-ep (default: all). Under tp every weight is split over the GPUs but those each holds whole (q_a and kv_a: replicated linear
+    layers, the router); under dp-ep each GPU holds the attention, dense and shared MLPs, router and LM head whole and
+    1/n of the routed experts whole, and the request's tokens sit on one GPU (at B = 1 the step waits for it)."""
+    if topology not in TOPOLOGIES:
+        raise BadInput(f"--topology {topology!r}: one of {', '.join(TOPOLOGIES)}")
+    n, mlp, h = dep.gpus, 3 * costs.hidden, costs.heads
+    moe_layers = costs.layers - costs.dense_layers
+    whole_attn = costs.hidden * costs.q_lora_rank + costs.hidden * 576  # q_a, kv_a: replicated in TP
+    split_attn = costs.q_lora_rank * h * 192 + 512 * h * 256 + h * 128 * costs.hidden
+    dense = costs.dense_layers * mlp * costs.dense_intermediate
+    shared = moe_layers * costs.shared_experts * mlp * costs.moe_intermediate
+    lm_head = costs.vocab * costs.hidden
+    router = moe_layers * costs.hidden * costs.routed_experts * dep.router_weight_bytes
+    touched = costs.experts_touched(tokens)
+    expert = mlp * costs.moe_intermediate
+    if topology == "tp":
+        other = costs.layers * (whole_attn + split_attn / n) + (dense + shared + lm_head) / n
+        experts = moe_layers * touched * expert / n
+        payload = tokens * costs.hidden * dep.activation_bytes
+        comm = costs.layers * costs.allreduces_per_layer * dep.allreduce_us(payload, corner)
+    else:
+        other = costs.layers * (whole_attn + split_attn) + dense + shared + lm_head
+        local = costs.routed_experts / n  # experts each GPU holds; those the step touches, routing uniform
+        experts = moe_layers * local * (1.0 - (1.0 - costs.experts_per_token / costs.routed_experts) ** tokens) * expert
+        payload = (local_tokens or tokens) * costs.experts_per_token * costs.hidden * dep.activation_bytes
+        comm = moe_layers * 2 * dep.all_to_all_us(payload, corner)
+    weight_bytes = other * costs.other_weight_bytes + experts * costs.expert_weight_bytes + router
+    slow = {"low": "high", "mid": "mid", "high": "low"}[corner]
+    weights_us = weight_bytes / (costs.bytes_per_s * dep.bandwidth_efficiency.at(slow)) * 1e6
+    return {"weight_bytes": weight_bytes, "router_bytes": router, "weights_us": weights_us, "comm_us": comm,
+            "drafter_us": dep.drafter_us.at(corner), "other_us": dep.other_us.at(corner), "experts_touched": touched}
+
+
 def load_step_costs(path: Path) -> StepCosts:
     r = _Reader(load_yaml(Path(path)), Path(path), "")
     gpus = load_gpus()
@@ -84,8 +172,39 @@ def load_step_costs(path: Path) -> StepCosts:
     if vals["experts_per_token"] > vals["routed_experts"] or vals["dense_layers"] > vals["layers"]:
         raise BadInput(f"{path}: experts_per_token > routed_experts, or dense_layers > layers")
     name = r.get("name", str)
+    r.sub("deploy", {})  # read by load_deploy
     r.done()
     return StepCosts(name, gpus[gpu].name, gpus[gpu].bytes_per_s, **vals, **floats)
+
+
+def _span(r: _Reader, key: str) -> Span:
+    s = r.sub(key)
+    low, high = s.get("low", float), s.get("high", float)
+    source = s.get("source", str)
+    s.done()
+    if not 0 <= low <= high:
+        raise r.fail(key, f"low {low:g} and high {high:g}: 0 <= low <= high")
+    if not source.strip():
+        raise r.fail(key, "source: say where the numbers come from")
+    return Span(low, high, source)
+
+
+def load_deploy(path: Path) -> Deploy:
+    """The `deploy:` section of a step cost model: the GPUs, their link and every range, each with its source."""
+    top = _Reader(load_yaml(Path(path)), Path(path), "")
+    if "deploy" not in top.data:
+        raise BadInput(f"{path}: no deploy: section (the link, the ranges and their sources)")
+    r = top.sub("deploy")
+    dep = Deploy(r.positive_int("gpus"), _span(r, "bandwidth_efficiency"), _span(r, "link_gbps"), _span(r, "latency_us"),
+                 r.get("link", str), r.get("activation_bytes", float, check=lambda v: v > 0, check_msg="must be > 0"),
+                 r.get("router_weight_bytes", float, check=lambda v: v > 0, check_msg="must be > 0"),
+                 _span(r, "drafter_us"), _span(r, "other_us"))
+    r.done()
+    if not 0 < dep.bandwidth_efficiency.low <= dep.bandwidth_efficiency.high <= 1:
+        raise BadInput(f"{path}: deploy.bandwidth_efficiency: a share, 0 < low <= high <= 1")
+    if dep.link_gbps.low <= 0:
+        raise BadInput(f"{path}: deploy.link_gbps: low must be > 0")
+    return dep
 
 
 def default_step_costs() -> Path:
@@ -116,8 +235,13 @@ def load_acceptance(path: Path) -> tuple[dict, str]:
     if not points or any(b < 1 or t < 1.0 for b, t in points.items()):
         raise BadInput(f"{path}: tokens_per_round needs budgets >= 1 and at least 1 token per round (the bonus)")
     source = r.get("source", str, "not given")
+    measured = r.get("measured", bool, False)
     r.done()
-    return points, source
+    return points, source if measured else f"ASSUMED, not measured ({source}): the output is illustrative"
+
+
+def acceptance_measured(path: Path) -> bool:
+    return bool(_Reader(load_yaml(Path(path)), Path(path), "").get("measured", bool, False))
 
 
 def load_attention(path: Path, batch: int, prefix: int, heads: int, backend: str) -> tuple[dict, str]:
@@ -141,19 +265,70 @@ def load_attention(path: Path, batch: int, prefix: int, heads: int, backend: str
     return points, gpu.get("name", "an unnamed GPU") if isinstance(gpu, dict) else str(gpu)
 
 
-def budget_curve(costs: StepCosts, attention: dict, acceptance: dict, budgets: list[int], batch: int) -> list[dict]:
+def attention_at(attention: dict, budget: int) -> tuple[float, bool]:
+    """One layer's verify attention at `budget` (µs), and whether it is the smallest timed budget's, an upper bound:
+    below the bench's budgets the time is taken at its smallest (the attention grows with the tree); above, refused."""
+    lo = min(attention)
+    if budget < lo:
+        return attention[lo], True
+    return _interpolate(attention, budget, "attention timings"), False
+
+
+CORNERS = ("low", "mid", "high")
+
+
+def projection(costs: StepCosts, dep: Deploy, topology: str, attention: dict, acceptance: dict, budgets: list[int],
+               batch: int, dep_over: dict | None = None) -> list[dict]:
+    """The budget curve as a projection: per budget (0: plain decoding), the step's parts at the middle of every range
+    and tokens/s at its fast and slow ends; the best budget by the middle. dep_over: Deploy fields replaced (the
+    sensitivity's one input at one end)."""
+    if dep_over:
+        from dataclasses import replace
+
+        dep = replace(dep, **dep_over)
     rows = []
     for b in budgets:
-        tau = _interpolate(acceptance, b, "acceptance curve", log=True)
-        attn = costs.layers * _interpolate(attention, b, "attention timings")
-        rest = costs.rest_of_step(batch * (b + 1))
-        step = attn + rest["weights_us"] + rest["allreduce_us"]
-        rows.append({"budget": b, "tokens_per_round": tau, "verify_attention_us": attn, **rest, "step_us": step,
-                     "attention_share": attn / step, "tokens_per_s": batch * tau / step * 1e6})
+        tau = 1.0 if b == 0 else _interpolate(acceptance, b, "acceptance curve", log=True)
+        per_layer, floor = attention_at(attention, max(b, 1))
+        # tp: every GPU attends with its heads; dp-ep: the request's GPU with all of them (the bench's 'heads' axis)
+        attn = costs.layers * per_layer
+        row = {"budget": b, "tokens_per_round": tau, "verify_attention_us": attn, "attention_upper_bound": floor}
+        local = -(-batch // dep.gpus) * (b + 1)  # dp-ep: the requests of the busiest GPU
+        for corner in CORNERS:
+            parts = step_parts(costs, dep, topology, batch * (b + 1), corner, local)
+            step = attn + parts["weights_us"] + parts["comm_us"] + parts["drafter_us"] * (b > 0) + parts["other_us"]
+            if corner == "mid":
+                row.update(parts)
+                row["drafter_us"] = parts["drafter_us"] * (b > 0)
+                row["step_us"] = step
+                row["attention_share"] = attn / step
+            row[f"tokens_per_s_{corner}"] = batch * tau / step * 1e6
+        row["tokens_per_s"] = row["tokens_per_s_mid"]
+        rows.append(row)
     best = max(rows, key=lambda r: r["tokens_per_s"])
     for r in rows:
         r["best"] = r is best
     return rows
+
+
+def sensitivity(costs, dep, topology, attention, acceptance, budgets, batch) -> list[dict]:
+    """Each uncertain input at its low and its high end, the others at their middle: the best budget and its
+    tokens/s at each, the inputs ordered by how far they move the best tokens/s."""
+    from dataclasses import replace
+
+    out = []
+    for name in ("bandwidth_efficiency", "link_gbps", "latency_us", "drafter_us", "other_us"):
+        span = getattr(dep, name)
+        ends = {}
+        for end in ("low", "high"):
+            pinned = Span(span.at(end), span.at(end), span.source)
+            rows = projection(costs, replace(dep, **{name: pinned}), topology, attention, acceptance, budgets, batch)
+            best = next(r for r in rows if r["best"])
+            ends[f"at_{end}"] = {"best_budget": best["budget"], "tokens_per_s": best["tokens_per_s"]}
+        out.append({"input": name, "low": span.low, "high": span.high, "source": span.source, **ends,
+                    "swing": abs(ends["at_high"]["tokens_per_s"] - ends["at_low"]["tokens_per_s"]),
+                    "moves_best_budget": ends["at_low"]["best_budget"] != ends["at_high"]["best_budget"]})
+    return sorted(out, key=lambda x: -x["swing"])
 
 
 def plot(path: Path, rows: list[dict], title: str) -> None:
@@ -170,10 +345,11 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     xs = [r["budget"] for r in rows]
     ax.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label="tokens/s")
+    ax.fill_between(xs, [r["tokens_per_s_high"] for r in rows], [r["tokens_per_s_low"] for r in rows], alpha=0.2)
     best = next(r for r in rows if r["best"])
     ax.annotate(f"best: {best['budget']}", (best["budget"], best["tokens_per_s"]), textcoords="offset points",
                 xytext=(0, 8), ha="center")
-    ax.set_xscale("log", base=2)
+    ax.set_xscale("symlog", base=2, linthresh=1)
     ax.set_xlabel("node budget")
     ax.set_ylabel("tokens/s (whole batch)")
     share = ax.twinx()
