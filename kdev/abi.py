@@ -219,6 +219,18 @@ class Library:
         except cabi.LoadError as e:
             raise EnvironmentMissing(f"{self.path}: {e}") from None
 
+    def kv_fields(self, x: VerifyInputs) -> dict:
+        """The cache's dtype and scale as this library's VerifyAttnParams takes them: where it has no kv_dtype (no verify
+        kernel of it reads an e4m3 cache; kdtree.h), a bf16 call passes none and an e4m3 one is refused before any
+        call."""
+        fields = kv_dtype_fields(x.kv_cache, x.kv_scale)
+        if "kv_dtype" in dict(self.structs["VerifyAttnParams"]._fields_):
+            return fields
+        if fields["kv_dtype"] != cabi.C["KDTREE_KV_BF16"]:
+            raise AbiArgumentError(f"kv_cache: an e4m3 cache, which no verify kernel of {self.path.name} reads yet "
+                                   f"(its VerifyAttnParams has no kv_dtype: kdtree.h)")
+        return {}
+
     def params(self, x: VerifyInputs, out: torch.Tensor, lse: torch.Tensor,
                workspace: torch.Tensor | None = None) -> cabi.Params:
         """Check every tensor against the contract and fill the params struct."""
@@ -239,7 +251,7 @@ class Library:
             q=x.q.data_ptr(), kv_cache=x.kv_cache.data_ptr(), page_table=x.page_table.data_ptr(),
             prefix_lens=x.prefix_lens.data_ptr(), q_indptr=x.q_indptr.data_ptr(), tree_mask=x.tree_mask.data_ptr(),
             out=out.data_ptr(), lse=lse.data_ptr(), workspace=None, workspace_bytes=0,
-            **kv_dtype_fields(x.kv_cache, x.kv_scale))
+            **self.kv_fields(x))
         if workspace is not None:
             _check("workspace", workspace, workspace.dtype, 1, dev)
             p.workspace, p.workspace_bytes = workspace.data_ptr(), workspace.numel() * workspace.element_size()

@@ -54,7 +54,7 @@ def source_hashes(kernel_dir: Path = KERNEL_DIR) -> dict[str, str]:
 def source_hash(kernel_dir: Path = KERNEL_DIR) -> str:
     h = hashlib.sha256()
     for rel, digest in source_hashes(kernel_dir).items():
-        h.update(f"{rel}\0{digest}\n".encode())
+        h.update(os.fsencode(rel) + f"\0{digest}\n".encode())  # a file name need not be UTF-8
     return h.hexdigest()
 
 
@@ -66,8 +66,9 @@ def run_tool_group(cmd: list[str], env: dict) -> tuple[int, str]:
     """Run a compiler driver in a process group of its own and return (exit status, stdout + stderr). If kdev is
     interrupted or terminated meanwhile, the whole group (nvcc and the cicc / ptxas it started) is killed before the
     exception goes on: no compiler runs on as an orphan."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=env,
-                            start_new_session=True)
+    # the tools echo paths, which need not be UTF-8 (a checkout under caf\xe9/): read as UTF-8, a bad byte replaced
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8", errors="replace",
+                            cwd=REPO_ROOT, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate()
     except BaseException:
@@ -235,23 +236,15 @@ def _one_build_at_a_time(folder: Path, log):
 
 def build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
           variant: bool = False) -> BuildResult:
-    """Build (or reuse) the library for cfg, one process at a time per configuration (_build)."""
+    """Build (or reuse) the library for cfg, one process at a time per configuration (_build), once the archs are known
+    to be buildable (nothing is made for a refused one)."""
+    nvcc, ver = _toolchain_for(cfg)
     with _one_build_at_a_time(config_folder(cfg), log):
-        return _build(cfg, force, log, kernel_dir, variant)
+        return _build(cfg, nvcc, ver, force, log, kernel_dir, variant)
 
 
-def _build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
-           variant: bool = False) -> BuildResult:
-    """Build (or reuse) the library for cfg. Raises CheckFailed on compiler errors and EnvironmentMissing
-    without nvcc; resource-gate failures are returned in result.problems (the library is kept for study,
-    but latest.json is not pointed at it).
-
-    variant: kernel_dir is an edited copy of the kernels under study (an A/B candidate). Its library gets a
-    folder of its own, named by its source hash, and latest.json (what verify, bench and deploy-check load
-    by default) is left alone: the candidate is loaded only where asked for, with --library."""
-    import time
-
-    log = log or (lambda msg: None)
+def _toolchain_for(cfg: BuildConfig) -> tuple[str, str]:
+    """(nvcc, its version) where it builds every arch of cfg and the gate knows each; else one line."""
     nvcc = find_nvcc()
     ver = nvcc_version(nvcc)
     known = nvcc_archs(nvcc)
@@ -266,6 +259,21 @@ def _build(cfg: BuildConfig, force: bool = False, log=None, kernel_dir: Path = K
     if ungated:  # its shared memory would pass unjudged, and the flash launches would not be asked for it
         raise BadInput(f"{ungated[0]}: {cfg.path.name} has no smem_limit_bytes for it: the resource gate needs the "
                        f"arch's per-block opt-in limit")
+    return nvcc, ver
+
+
+def _build(cfg: BuildConfig, nvcc: str, ver: str, force: bool = False, log=None, kernel_dir: Path = KERNEL_DIR,
+           variant: bool = False) -> BuildResult:
+    """Build (or reuse) the library for cfg. Raises CheckFailed on compiler errors and EnvironmentMissing
+    without nvcc; resource-gate failures are returned in result.problems (the library is kept for study,
+    but latest.json is not pointed at it).
+
+    variant: kernel_dir is an edited copy of the kernels under study (an A/B candidate). Its library gets a
+    folder of its own, named by its source hash, and latest.json (what verify, bench and deploy-check load
+    by default) is left alone: the candidate is loaded only where asked for, with --library."""
+    import time
+
+    log = log or (lambda msg: None)
     src_hash = source_hash(kernel_dir)
     key = cache_key(cfg, src_hash, ver)
     folder = config_folder(cfg)
@@ -417,7 +425,13 @@ def _point_latest(cfg: BuildConfig, res: BuildResult) -> None:
            "source_hash": res.build_info["source_hash"]}
     for path in paths:
         if not res.problems:
-            atomic_write_bytes(path, json.dumps(doc, indent=2).encode())
+            data = json.dumps(doc, indent=2).encode()
+            try:
+                unchanged = path.read_bytes() == data
+            except OSError:
+                unchanged = False
+            if not unchanged:  # a read-only checkout whose build is current writes nothing, and goes on
+                atomic_write_bytes(path, data)
             continue
         named = read_json_record(path, ("library",))
         if named is not None and Path(named["library"]) == res.library:

@@ -187,7 +187,7 @@ def check_case(lib: abi.Library, name: str, tensors: dict, scale: float, tol: To
                     o2, l2 = klib.run(kname, x)
                     identical &= torch.equal(o2.view(torch.int16), out.view(torch.int16)) and torch.equal(
                         l2.view(torch.int32), lse.view(torch.int32))
-        except (abi.KernelError, RuntimeError) as e:
+        except (abi.KernelError, abi.AbiArgumentError, RuntimeError) as e:  # a refusal too: one line per case
             results.append(CaseResult(name, kernel, "golden", False, error=str(e)))
             continue
         c_out = compare("out", out, tensors["out"], tol.out)

@@ -61,21 +61,6 @@ int check_page_size(int page_size) {
   return KDTREE_OK;
 }
 
-// The KV cache's dtype and scale (kdtree.h, ABI 9), for every entry point that takes a cache: bf16 (kv_scale 0, unused,
-// or 1) or e4m3 (kv_scale finite and > 0); any other dtype is refused in the header's words.
-int check_kv_dtype(int32_t kv_dtype, float kv_scale) {
-  if (kv_dtype == KDTREE_KV_FP8_E4M3) {
-    if (!(kv_scale > 0.f) || !std::isfinite(kv_scale))
-      return fail(KDTREE_ERR_INVALID, "kv_scale %g must be finite and > 0 for an e4m3 cache", (double)kv_scale);
-    return KDTREE_OK;
-  }
-  if (kv_dtype != KDTREE_KV_BF16) return fail(KDTREE_ERR_INVALID, "kv_dtype %d " KDTREE_KV_DTYPE_RULE, (int)kv_dtype);
-  if (kv_scale != 0.f && kv_scale != 1.f)
-    return fail(KDTREE_ERR_INVALID, "kv_scale %g with a bf16 cache: only an e4m3 cache is scaled (0 or 1 here)",
-                (double)kv_scale);
-  return KDTREE_OK;
-}
-
 // An e4m3 cache, validated, that no kernel of this library reads yet: refused, never run as if it were bf16.
 int refuse_unread_kv_dtype(int32_t kv_dtype, const char* call) {
   if (kv_dtype == KDTREE_KV_FP8_E4M3)
@@ -107,7 +92,6 @@ int validate_plan_inputs(const VerifyAttnParams* p) {
   if (int st = validate_shape(p->batch, p->total_q, p->num_heads, p->max_qlen, p->max_kv_len)) return st;
   if (int st = check_page_size(p->page_size)) return st;
   if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
-  if (int st = check_kv_dtype(p->kv_dtype, p->kv_scale)) return st;
   return KDTREE_OK;
 }
 
@@ -141,7 +125,6 @@ int validate(const VerifyAttnParams* p) {
   if (!(p->scale > 0.f) || !std::isfinite(p->scale))
     return fail(KDTREE_ERR_INVALID, "scale %g must be finite and > 0", (double)p->scale);
   if (p->plan_sm_count < 0) return fail(KDTREE_ERR_INVALID, "plan_sm_count %d < 0", p->plan_sm_count);
-  if (int st = check_kv_dtype(p->kv_dtype, p->kv_scale)) return st;
   return KDTREE_OK;
 }
 
@@ -200,8 +183,8 @@ extern "C" {
 // 6: kdtree_flash_launch_plan takes wgmma_built (whether the code holds the wgmma kernel).
 // 7: kdtree_poison_shared_memory.
 // 8: KDTREE_ABI_VERSION in the header, and the header kept beside the library.
-// 9: VerifyAttnParams.kv_dtype / kv_scale and CompactParams.kv_dtype (kdtree.h): an e4m3 cache is validated and, until a
-// kernel reads one, answered KDTREE_ERR_UNSUPPORTED by every verify entry point and the compaction.
+// 9: the KV dtypes and CompactParams.kv_dtype (kdtree.h): an e4m3 cache is validated and, until a kernel reads one,
+// answered KDTREE_ERR_UNSUPPORTED by the compaction (VerifyAttnParams takes the dtype with the kernels that read it).
 int kdtree_abi_version(void) { return KDTREE_ABI_VERSION; }
 
 size_t kdtree_params_size(void) { return sizeof(VerifyAttnParams); }
@@ -232,7 +215,6 @@ int kdtree_poison_shared_memory(cudaStream_t stream) {
 int kdtree_verify_attn(const VerifyAttnParams* p, cudaStream_t stream) {
   g_last_error[0] = '\0';
   if (int st = validate(p)) return st;
-  if (int st = refuse_unread_kv_dtype(p->kv_dtype, "kdtree_verify_attn")) return st;
   cudaError_t err = kdtree::launch_verify_attn_naive(*p, stream);
   if (err != cudaSuccess) return cuda_fail(err, "verify_attn_naive launch");
   return KDTREE_OK;
@@ -282,8 +264,6 @@ static int check_workspace(const VerifyAttnParams* p, size_t need) {
 static int verify_attn_flash(const VerifyAttnParams* p, bool portable, bool scheduled, cudaStream_t stream,
                              bool need_wgmma = false) {
   if (int st = validate(p)) return st;
-  if (int st = refuse_unread_kv_dtype(p->kv_dtype, portable ? "the portable flash call" : "the flash call"))
-    return st;
   bool wgmma = false;
   if (!portable) {
     const cudaError_t err = kdtree::flash_wgmma_built(&wgmma);

@@ -3,6 +3,7 @@
 import ctypes
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -459,3 +460,31 @@ def test_the_sass_identity_check_passes_a_move_and_catches_one_changed_instructi
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         assert r.returncode == code, r.stdout + r.stderr
     assert "verify_attn_naive_kernel" in r.stdout and "changed" in r.stdout
+
+
+def test_names_and_tool_output_that_are_not_utf8_are_read(tmp_path):
+    """A checkout under a path that is not UTF-8 (caf\\xe9/) and a file of such a name in kernels/: the source hash takes
+    the name's bytes, and the compiler's output (which echoes paths) is read with the bad byte replaced."""
+    kdir = tmp_path / "kernels"
+    shutil.copytree(kbuild.KERNEL_DIR, kdir)
+    before = kbuild.source_hash(kdir)
+    odd = Path(os.fsdecode(bytes(kdir) + b"/caf\xe9.cuh"))
+    odd.write_text("// a header of a name that is not UTF-8\n")
+    after = kbuild.source_hash(kdir)
+    assert after != before and len(after) == 64
+    rc, text = kbuild.run_tool_group(["printf", "nvcc: caf\\351/kernels/x.cu\\n"], dict(os.environ))
+    assert rc == 0 and text == "nvcc: caf\ufffd/kernels/x.cu\n"
+
+
+@needs_nvcc
+def test_a_current_build_in_a_read_only_checkout_writes_nothing_and_goes_on(both_archs, monkeypatch):
+    """`kdev build` with everything up to date rewrites no file (a read-only checkout: any write fails there)."""
+    cfg, _ = both_archs
+    kbuild.build(cfg)  # the latest records as they stand
+
+    def refuse(path, data):
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(kbuild, "atomic_write_bytes", refuse)
+    again = kbuild.build(cfg)
+    assert again.cached and not again.problems

@@ -37,22 +37,23 @@ def test_the_header_states_the_dtypes_once_and_python_reads_them(tmp_path):
     assert abi.KV_DTYPES == {torch.bfloat16: bf16, torch.float8_e4m3fn: e4m3}
     assert rule == RULE and all(w in rule for w in ("e5m2", "mxfp8", "fp4"))
     header = cabi.HEADER.read_text()
-    assert re.search(r"\b9 the KV cache's dtype and scale", header)
-    assert bf16 == 0  # a struct whose new fields are left at zero is the bf16 call it was
+    assert re.search(r"\b9 the KV cache's dtypes", header)
+    assert bf16 == 0  # a struct whose new field is left at zero is the bf16 call it was
 
 
-def test_the_new_fields_are_last_and_a_bf16_call_leaves_them_zero():
-    verify = [f for f, _ in cabi.VerifyAttnParams._fields_]
-    assert verify[-2:] == ["kv_dtype", "kv_scale"]
+def test_the_compaction_takes_the_dtype_and_the_verify_call_takes_it_with_its_kernels():
+    """CompactParams.kv_dtype is last (a bf16 call leaves it 0); VerifyAttnParams has no kv_dtype until a verify kernel
+    reads an e4m3 cache (kdtree.h: the fields made the lockstep kernel spill), so the flash kernels' argument is the
+    ABI 8 one."""
     assert [f for f, _ in cabi.CompactParams._fields_][-1] == "kv_dtype"
-    assert dict(cabi.VerifyAttnParams._fields_)["kv_scale"] is ctypes.c_float
+    assert not {"kv_dtype", "kv_scale"} & {f for f, _ in cabi.VerifyAttnParams._fields_}
 
 
 def test_no_copy_of_the_rule_or_the_codes_drifts_from_the_header():
     """capi.cu and kdev/ say the refusal through the header's macro / cabi's constant, never in their own words; the
     codes are never written as bare numbers beside a dtype name in kdev/."""
     capi = (REPO / "kernels" / "capi.cu").read_text()
-    assert "e5m2" not in capi and capi.count("KDTREE_KV_DTYPE_RULE") >= 2
+    assert "e5m2" not in capi and capi.count("KDTREE_KV_DTYPE_RULE") >= 1
     words = RULE.split(": ", 1)[1]  # the rule's own words, past "is not a KV dtype kdtree takes"
     for path in [REPO / "configs" / "suites.yaml", *sorted((REPO / "kdev").rglob("*.py"))]:
         text = path.read_text()
@@ -122,53 +123,33 @@ def test_a_float32_cache_is_refused_as_before(fp8_case):
         abi.check_inputs(x, out, lse)
 
 
-def test_params_carry_the_dtype_and_scale_by_name(tmp_path, fp8_case):
-    """Library.params fills kv_dtype / kv_scale by field name (the C side reads them by name: an echo library); a
-    bf16 call leaves both 0, so a library from before ABI 9 takes it (cabi.make refuses only a non-zero field)."""
-    older = type("VerifyAttnParams", (ctypes.Structure,),
-                 {"_fields_": [f for f in cabi.VerifyAttnParams._fields_ if f[0] not in ("kv_dtype", "kv_scale")]})
+def test_params_carry_the_dtype_and_scale_by_name_where_the_library_takes_them(fp8_case):
+    """Library.kv_fields: a library whose VerifyAttnParams has kv_dtype / kv_scale gets them by name; one without (this
+    checkout's, until its kernels read e4m3) gets none for a bf16 cache and refuses an e4m3 one in one line, before
+    any call; cabi.make refuses a non-zero field the struct lacks."""
     x = abi.VerifyInputs.from_case(fp8_case.tensors, fp8_case.scale, "cpu")
-    assert cabi.make(older, **abi.kv_dtype_fields(x.kv_cache.to(torch.bfloat16), None)).struct_size
-    with pytest.raises(cabi.LoadError, match="no field 'kv_dtype'"):
-        cabi.make(older, **abi.kv_dtype_fields(x.kv_cache, x.kv_scale))
-    p = cabi.make(cabi.VerifyAttnParams, **abi.kv_dtype_fields(x.kv_cache, x.kv_scale))
+    fields = list(cabi.VerifyAttnParams._fields_)
+    newer = type("VerifyAttnParams", (ctypes.Structure,),
+                 {"_fields_": fields + [("kv_dtype", ctypes.c_int32), ("kv_scale", ctypes.c_float)]})
+
+    class Lib(abi.Library):
+        def __init__(self, struct):  # a loaded library's structs, no library file
+            self.structs, self.path = {"VerifyAttnParams": struct}, abi.Path("libkdtree.so")
+
+    got = Lib(newer).kv_fields(x)
+    assert got == {"kv_dtype": 1, "kv_scale": x.kv_scale}
+    p = newer(**got)
     assert (p.kv_dtype, p.kv_scale) == (1, pytest.approx(x.kv_scale, rel=2**-24))
+    bf16 = abi.VerifyInputs.from_case({**fp8_case.tensors, "kv_cache": x.kv_cache.to(torch.bfloat16)}, 1.0, "cpu")
+    bf16.kv_scale = None
+    assert Lib(cabi.VerifyAttnParams).kv_fields(bf16) == {}
+    with pytest.raises(abi.AbiArgumentError, match="an e4m3 cache, which no verify kernel of libkdtree.so reads"):
+        Lib(cabi.VerifyAttnParams).kv_fields(x)
+    with pytest.raises(TypeError, match="no field 'kv_dtype'"):  # no header of this checkout declares it
+        cabi.make(cabi.VerifyAttnParams, kv_dtype=1)
 
 
 # ------------------------------------------------------------------------------------------------ the C validation
-def _plan_params(lib, **fields):
-    st = lib.kdev_contract.structs["VerifyAttnParams"]
-    return cabi.make(st, batch=1, total_q=1, num_heads=8, max_qlen=1, mask_words=1, page_size=64, max_kv_len=100,
-                     **fields)
-
-
-@pytest.mark.nvcc
-@pytest.mark.parametrize("fields, status, words", [
-    ({"kv_dtype": 2}, cabi.ERR_INVALID, f"kv_dtype 2 {RULE}"),
-    ({"kv_dtype": -1, "kv_scale": 1.0}, cabi.ERR_INVALID, f"kv_dtype -1 {RULE}"),
-    ({"kv_dtype": 1, "kv_scale": 0.0}, cabi.ERR_INVALID, "kv_scale 0 must be finite and > 0 for an e4m3 cache"),
-    ({"kv_dtype": 1, "kv_scale": float("nan")}, cabi.ERR_INVALID,
-     "kv_scale nan must be finite and > 0 for an e4m3 cache"),
-    ({"kv_dtype": 0, "kv_scale": 2.0}, cabi.ERR_INVALID,
-     "kv_scale 2 with a bf16 cache: only an e4m3 cache is scaled (0 or 1 here)"),
-    ({"kv_dtype": 1, "kv_scale": 0.25}, cabi.OK, ""),
-    ({"kv_dtype": 0, "kv_scale": 1.0}, cabi.OK, ""),
-])
-def test_the_library_validates_the_dtype_and_scale(sm90_library, fields, status, words):
-    """What needs no GPU of the C side: the plan inputs' validation (kdtree_verify_attn_workspace_size) refuses a
-    dtype outside the header's two and a scale that does not fit its dtype, in the header's words; an e4m3 call's
-    workspace is the bf16 call's (the partials are fp32 whatever the cache)."""
-    lib = cabi.load(sm90_library)
-    n = ctypes.c_size_t(12345)
-    st = lib.kdtree_verify_attn_workspace_size(ctypes.byref(_plan_params(lib, plan_sm_count=132, **fields)),
-                                               ctypes.byref(n))
-    assert (st, cabi.last_error(lib)) == (status, words)
-    if st == cabi.OK:
-        bf16 = ctypes.c_size_t()
-        lib.kdtree_verify_attn_workspace_size(ctypes.byref(_plan_params(lib, plan_sm_count=132)), ctypes.byref(bf16))
-        assert n.value == bf16.value
-
-
 @pytest.mark.nvcc
 def test_the_compaction_refuses_a_dtype_outside_the_header(sm90_library):
     lib = cabi.load(sm90_library)
@@ -178,19 +159,14 @@ def test_the_compaction_refuses_a_dtype_outside_the_header(sm90_library):
     assert cabi.last_error(lib) == f"kv_dtype 3 {RULE}"
 
 
-def test_the_capi_refuses_e4m3_in_every_verify_entry_point_until_its_kernels():
-    """Until a kernel reads an e4m3 cache, every verify entry point and the compaction answer KDTREE_ERR_UNSUPPORTED
-    for one, after validating it (tests/gpu/test_fp8_gpu.py runs it on a GPU): the source says so in each."""
+def test_the_capi_refuses_e4m3_in_the_compaction_until_its_kernel():
+    """Until a kernel moves e4m3 rows the compaction answers KDTREE_ERR_UNSUPPORTED for them, after validating the
+    dtype (tests/gpu/test_fp8_gpu.py runs it on a GPU): the source says so."""
     capi = (REPO / "kernels" / "capi.cu").read_text()
     body = {m.group(1): m.group(2) for m in re.finditer(r"^int (kdtree_\w+)\([^)]*\) \{\n(.*?)^\}", capi,
                                                          flags=re.M | re.S)}
-    flash = re.search(r"static int verify_attn_flash\(.*?\n\}", capi, flags=re.S).group(0)
-    assert "refuse_unread_kv_dtype" in flash and flash.index("validate(p)") < flash.index("refuse_unread_kv_dtype")
-    for name in ("kdtree_verify_attn", "kdtree_compact_kv"):
-        assert "refuse_unread_kv_dtype" in body[name], name
-    for name in ("kdtree_verify_attn_flash", "kdtree_verify_attn_flash_portable", "kdtree_verify_attn_flash_wgmma",
-                 "kdtree_verify_attn_flash_scheduled", "kdtree_verify_attn_flash_portable_scheduled"):
-        assert "verify_attn_flash(p," in body[name], name
+    compact = body["kdtree_compact_kv"]
+    assert compact.index("KDTREE_KV_DTYPE_RULE") < compact.index("refuse_unread_kv_dtype")
 
 
 # ------------------------------------------------------------------------------------------ reference and emulation

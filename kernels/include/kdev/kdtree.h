@@ -32,7 +32,7 @@
  * from: `kdev build` keeps this file beside the library, and the sha256 of its bytes is in kdtree_build_info's
  * "sources". History: 2 plan_sm_count; 3 the narrow row tiles' own split count; 4 the device schedule; 5 the page size
  * to the plan functions; 6 wgmma_built to kdtree_flash_launch_plan; 7 kdtree_poison_shared_memory; 8 this constant,
- * and the header kept beside the library; 9 the KV cache's dtype and scale (kv_dtype, kv_scale). */
+ * and the header kept beside the library; 9 the KV cache's dtypes (KDTREE_KV_*) and CompactParams.kv_dtype. */
 #define KDTREE_ABI_VERSION 9
 #define KDTREE_LATENT_DIM 512   /* c_kv: the value row, and the first part of a query / key row */
 #define KDTREE_ROPE_DIM 64      /* k_pe / q_pe: the rest of a query / key row */
@@ -52,14 +52,15 @@
 #define KDTREE_KV_SLOT(page_row, pos, page_size) \
   ((size_t)(page_row)[(pos) / (page_size)] * (size_t)(page_size) + (size_t)((pos) % (page_size)))
 
-/* The KV cache's element type (VerifyAttnParams.kv_dtype, CompactParams.kv_dtype; ABI 9). bf16 is 0, so a struct
- * whose new fields are left at zero is the bf16 call it was before. An e4m3 cache holds float8 e4m3fn values (SGLang's
- * fp8_e4m3 pool: k / k_scale stored), and a row's value is the stored value times VerifyAttnParams.kv_scale, one scale
- * for the whole row: for MLA V is the first 512 columns of K, so scores and P.V take the same one. Every row is read
- * from the pool, the tree's own too (docs/architecture.md: a caller writes the tree's rows into the pool first). Output
- * and LSE stay bf16 / fp32. No other 8-bit or narrower format is taken: e5m2, mxfp8 and fp4 caches are refused. Until
- * a verify kernel reads an e4m3 cache, every verify entry point and the compaction answer KDTREE_ERR_UNSUPPORTED for
- * one (after validating it), never a result. */
+/* The KV cache's element type (CompactParams.kv_dtype; ABI 9). bf16 is 0, so a struct whose new field is left at
+ * zero is the bf16 call it was before. An e4m3 cache holds float8 e4m3fn values (SGLang's fp8_e4m3 pool: k / k_scale
+ * stored), and a row's value is the stored value times one scale for the whole row: for MLA V is the first 512 columns
+ * of K, so scores and P.V take the same one. Every row is read from the pool, the tree's own too (a caller writes the
+ * tree's rows into the pool first). Output and LSE stay bf16 / fp32. No other 8-bit or narrower format is taken: e5m2,
+ * mxfp8 and fp4 caches are refused. VerifyAttnParams gains kv_dtype and kv_scale with the first verify kernel that
+ * reads an e4m3 cache: two fields more in the flash kernels' by-value argument made the lockstep kernel spill
+ * (verify_attn_flash_kernel<true>: 12 B on sm_120, 8 B on sm_90), so they come with the kernels whose register budget
+ * takes them. Until then the compaction answers KDTREE_ERR_UNSUPPORTED for an e4m3 cache, never a result. */
 #define KDTREE_KV_BF16 0                /* bf16 rows: 576 x 2 bytes; kv_scale 0 (unused) or 1 */
 #define KDTREE_KV_FP8_E4M3 1            /* float8 e4m3fn rows: 576 x 1 byte; kv_scale finite and > 0 */
 #define KDTREE_KV_DTYPE_RULE "is not a KV dtype kdtree takes: bf16 (0) or e4m3 (1); e5m2, mxfp8 and fp4 are refused"
@@ -114,8 +115,6 @@ typedef struct VerifyAttnParams {
   float* lse;
   void* workspace;       /* flash calls: kdtree_verify_attn_workspace_size bytes (ABI 4: the schedule and partials) */
   size_t workspace_bytes;
-  int32_t kv_dtype;      /* KDTREE_KV_BF16 or KDTREE_KV_FP8_E4M3 (ABI 9) */
-  float kv_scale;        /* e4m3: a row's values are the stored ones times this; bf16: 0 or 1 (ABI 9) */
 } VerifyAttnParams;
 
 /* The DDTree kernels use a padded per-request layout of stride t_stride = 1 + budget rows: request b's node i lives at
