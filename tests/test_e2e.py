@@ -125,6 +125,25 @@ def test_the_bf16_bound_is_zero_nowhere_and_grows_with_the_output():
     assert torch.allclose(big - small, small - verdict.F64_REL * (1 + want.abs().amax(-1, keepdim=True)))
 
 
+def test_the_bf16_bound_adds_the_heads_shared_rounding_before_squaring():
+    """The latent rows' rounding is one error read by every head (MLA's one KV head): its share of sigma is summed
+    over heads before it is squared; the rest is independent per head and element."""
+    model = oracle.build_model()
+    b = verdict.Bounds(model, bf16=True)
+    g = torch.Generator().manual_seed(10)
+    want = torch.randn(1, 256, generator=g, dtype=torch.float64)
+    outs = [torch.randn(1, 8, cabi.LATENT_DIM, generator=g, dtype=torch.float64) for _ in model.model.layers]
+    inv_rms = torch.tensor([0.7], dtype=torch.float64)
+    var = torch.zeros(256, dtype=torch.float64)
+    for o, m in zip(outs, b.m):
+        s = o[0].abs() + o[0].square().mean(-1, keepdim=True).sqrt()  # [H, 512]
+        var += ((m * verdict.BF16_REL * s).square()).sum((1, 2))
+        var += ((m * verdict.SHARED_REL * s).sum(1)).square().sum(-1)
+    floor = verdict.F64_REL * (1 + want.abs().max())
+    want_bound = floor + verdict.SIGMAS * verdict.PROPAGATION * var.sqrt() * 0.7
+    assert torch.allclose(b.of(want, outs, inv_rms)[0], want_bound, rtol=1e-12)
+
+
 def test_the_emulated_kernel_is_the_reference_to_bf16_and_reads_only_what_it_may():
     g = torch.Generator().manual_seed(9)
     T, L, page = 70, 100, 16  # two mask words

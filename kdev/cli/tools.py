@@ -283,7 +283,8 @@ def e2e_cmd(
         results = run.run_matrix(cases, device, advance)
     rope = oracle.rope_agreement(oracle.build_model())
     doc = {"cases": [{**c.__dict__, "label": c.label()} for c in cases],
-           "bounds": {"f64_rel": verdict.F64_REL, "bf16_rel": verdict.BF16_REL, "sigmas": verdict.SIGMAS},
+           "bounds": {"f64_rel": verdict.F64_REL, "bf16_rel": verdict.BF16_REL, "shared_rel": verdict.SHARED_REL,
+                      "sigmas": verdict.SIGMAS, "propagation": verdict.PROPAGATION},
            "rope_vs_transformers": rope, "budgets": [r.to_dict() for r in results],
            "passed": all(r.passed for r in results)}
     write_json_file(out_json, doc)

@@ -476,8 +476,9 @@ def show_e2e(results, doc) -> None:
         if failed > shown:
             report.error(f"{r.case}, budget {r.budget}: {failed - shown} more failing position(s) (--json lists all)")
     b = doc["bounds"]
-    report.show(f"bounds: float64 {b['f64_rel']:.2g} x (1 + max |logit|); bf16 that plus {b['sigmas']:g} sigma of "
-                f"{b['bf16_rel']:.3g} x (|o| + row rms) per latent output element, carried to the logits "
+    report.show(f"bounds: float64 {b['f64_rel']:.2g} x (1 + max |logit|); bf16 that plus "
+                f"{b['sigmas'] * b['propagation']:g} sigma of the latent outputs' noise ({b['bf16_rel']:.3g} x "
+                f"(|o| + row rms) per head, {b['shared_rel']:.3g} x it shared by the heads) carried to the logits "
                 "(docs/e2e.md); a near-tie within them is excused and the oracle's token taken")
 
 

@@ -11,16 +11,19 @@ A position passes when |logit_v - oracle_v| <= bound_v for every vocabulary entr
 - float64 (backend `reference`): bound_v = F64_REL x (1 + max |oracle logit|): the two paths differ only by the order
   of float64 operations (absorbed against un-absorbed attention, kdev's RoPE against transformers').
 - bf16 (a kernel, or `bf16-emulated`): the float64 bound plus SIGMAS x PROPAGATION standard deviations of the error
-  the kernels' arithmetic puts on the logits, to first order. Each layer's latent output element o[h, c] is taken to
-  carry independent noise of standard deviation BF16_REL x (|o[h, c]| + rms_c o[h, :]): one bf16 ulp of the element
-  or of its row, whichever is larger (the output's own rounding is half an ulp; P rounded to bf16 in P.V and the bf16
-  q and cache rows add about as much again). The logits are linear in it along the residual stream (W_UV, o_proj,
-  the final RMSNorm at this row's scale, the LM head: M_l [vocab, H x 512] per layer l), so
-  sigma_v^2 = sum_l sum_hc M_l[v, hc]^2 sigma_l[hc]^2 / rms^2. That model leaves out the score errors of the bf16 q
-  and cache rows, which the softmax turns into output errors of their own; PROPAGATION covers them, and any mixing of
-  an earlier layer's error by later layers. Measured on the default matrix (docs/e2e.md), the bf16-emulated run's
-  largest |error| is 0.4 to 0.7 of this bound (4.6 to 8.4 sigma), and a softmax scale x 1.001 reaches 1.3 to 1.5 of it
-  at 10 to 30 positions per case: the bound sits between the two, and tests/test_e2e.py checks both sides.
+  the kernels' arithmetic puts on the logits, to first order. The logits are linear in each layer's latent output
+  o [H, 512] along the residual stream (W_UV, o_proj, the final RMSNorm at this row's scale, the LM head: M_l
+  [vocab, H, 512] per layer l). Two kinds of noise are put on o, with s[h, c] = |o[h, c]| + rms_c o[h, :]:
+  - independent in every head and element, standard deviation BF16_REL x s (one bf16 ulp of the element or of its
+    row: the output's own rounding is half an ulp, P rounded to bf16 in P.V adds about as much);
+  - shared by every head, SHARED_REL x s (the latent rows' rounding, uniform in half an ulp: MLA has one KV head, so
+    every head reads the same rounded rows, and their errors add up across heads before they are squared);
+  sigma_v^2 = sum_l [ sum_hc (M_l[v,h,c] BF16_REL s)^2 + sum_c (sum_h M_l[v,h,c] SHARED_REL s)^2 ] / rms^2.
+  PROPAGATION covers what this leaves out: the score errors of the bf16 q and cache rows, which the softmax turns into
+  output errors of their own, and any mixing of an earlier layer's error by later layers. Measured (docs/e2e.md): the
+  bf16-emulated run's largest |error| is 0.33 to 0.60 of this bound over the default matrix (0.72 with 64 heads), and
+  a softmax scale x 1.001 reaches 1.07 to 1.30 of it (2.3 with 64 heads): the bound sits between the two, and
+  tests/test_e2e.py checks both sides.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 F64_REL = 2.0**-40  # ~9e-13: float64's 2^-52 with 2^12 of room for the order of operations
-BF16_REL = 2.0**-8  # one bf16 ulp of the element or its row
+BF16_REL = 2.0**-8  # one bf16 ulp of the element or its row, independent across heads
+SHARED_REL = 2.0**-9 / 3**0.5  # the latent rows' rounding (half an ulp, uniform), the same in every head
 SIGMAS = 6.0
 PROPAGATION = 2.0  # the score errors the sigma model leaves out (measured: see above)
 
@@ -60,7 +64,7 @@ class Bounds:
 
     def __init__(self, model, bf16: bool):
         self.bf16 = bf16
-        self.m2 = []
+        self.m = []
         if not bf16:
             return
         with torch.no_grad():
@@ -70,7 +74,7 @@ class Bounds:
                 h, nope, v = a.num_heads, a.qk_nope_head_dim, a.v_head_dim
                 w_uv = a.kv_b_proj.weight.double().view(h, nope + v, a.kv_lora_rank)[:, nope:]  # [H, 128, 512]
                 m = (lm @ a.o_proj.weight.double()).view(-1, h, v)  # [V, H, 128]
-                self.m2.append(torch.einsum("vhd,hdc->vhc", m, w_uv).reshape(m.shape[0], -1).square())
+                self.m.append(torch.einsum("vhd,hdc->vhc", m, w_uv))  # [V, H, 512]
 
     def of(self, oracle_logits: torch.Tensor, outputs: list, inv_rms: torch.Tensor) -> torch.Tensor:
         """bound [R, V] at R rows: the oracle's logits there [R, V]; the bf16 case also each layer's latent output
@@ -79,11 +83,13 @@ class Bounds:
         if not self.bf16:
             return floor.expand_as(oracle_logits)
         var = torch.zeros_like(oracle_logits)
-        for o, m2 in zip(outputs, self.m2):
+        for o, m in zip(outputs, self.m):
             o = o.double().cpu()
-            row = o.square().mean(-1, keepdim=True).sqrt()
-            sigma2 = (BF16_REL * (o.abs() + row)).square().reshape(len(o), -1)
-            var += sigma2 @ m2.T
+            scale = o.abs() + o.square().mean(-1, keepdim=True).sqrt()  # [R, H, 512]
+            # independent across heads and elements: the output's rounding, P's in P.V
+            var += (BF16_REL * scale).square().reshape(len(o), -1) @ m.square().reshape(m.shape[0], -1).T
+            # shared by every head: the latent rows' rounding (MLA's one KV head), summed over heads before squaring
+            var += torch.einsum("vhc,rhc->rvc", m, SHARED_REL * scale).square().sum(-1)
         sigma = var.sqrt() * inv_rms.double().cpu()[:, None]
         return floor + SIGMAS * PROPAGATION * sigma
 
