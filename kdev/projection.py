@@ -6,7 +6,8 @@ and how far it was off; in short:
   wavefronts and a tensor copy's bytes, issue: instructions, l2 and dram: the tile's bytes at their rates); it takes
   the largest compute pipe over `efficiency`, or the slower memory pipe;
 - a CTA takes its tiles and `cta_cycles`; a narrow CTA after the full-tile kernel reads from memory, at
-  `memory_tile_cycles` per tile at least;
+  `memory_tile_cycles` per tile at least; a tile gathered row by row (page size 1) takes `gather_tile_cycles` more,
+  fitted on gathered points once the rest are fitted on tensor-copy ones (the gathers' latency);
 - the launch ends when the planner's own schedule says (kdtree_flash_launch_time); the combine reads the partials and
   writes the output; `call_us` is the rest.
 """
@@ -166,6 +167,11 @@ class Constants:
     memory_tile_cycles: float  # a tile read from device memory with the loads one CTA keeps in flight (latency)
     fitted_on: tuple = ()  # the files
     points: int = 0
+    # a tile gathered row by row (pages of fewer than TENSOR_COPY_MIN_PAGE tokens: each row's address waits on its
+    # page-table read) costs this beside its pipes: fitted afterwards on gathered points alone (fit_gather)
+    gather_tile_cycles: float = 0.0
+    gather_fitted_on: tuple = ()
+    gather_points: int = 0
 
     def vector(self) -> np.ndarray:
         return np.array([self.efficiency, self.cta_cycles, self.call_us, self.memory_tile_cycles])
@@ -253,6 +259,8 @@ def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, g
         if cold:
             cyc["dram"] = max(cyc["dram"], k.memory_tile_cycles)
         per_tile = max(max(cyc[p] for p in COMPUTE_PIPES) / k.efficiency, *(cyc[p] for p in MEMORY_PIPES))
+        if gathered(shape):
+            per_tile += k.gather_tile_cycles
         return KernelProjection(name, ctas, tiles, {n: round(c, 1) for n, c in cyc.items()},
                                 _bound(cyc, k.efficiency) if tiles * per_tile >= k.cta_cycles else "latency",
                                 (tiles * per_tile + k.cta_cycles) / clock)
@@ -280,6 +288,12 @@ def project_shape(planner: kplan.PlanLibrary, loops: dict, shape: bench.Shape, g
             "full_ctas": p.full_ctas, "narrow_ctas": p.narrow_ctas}
     return ShapeProjection(shape.name, asdict(shape), call, gpu.name, end + combine + k.call_us,
                            kernels[0].bound if kernels else "-", [asdict(x) for x in kernels], combine, plan, traffic)
+
+
+def gathered(shape: bench.Shape) -> bool:
+    """Whether the call's KV tiles are gathered row by row through the page table (no tensor copy): pages of fewer
+    than TENSOR_COPY_MIN_PAGE tokens, page size 1 as SGLang calls kdev."""
+    return shape.page_size < cabi.TENSOR_COPY_MIN_PAGE
 
 
 # -------------------------------------------------------------------------------------------------- points
@@ -386,6 +400,7 @@ class Family:
     held_out: tuple  # files they are checked on
     borrow: str | None  # a family without points takes another's constants (the assumption the range names)
     misses: tuple = ()  # ({axis: value}, reason): held-out points the model is known to miss, kept as failing cases
+    gather_fit: tuple = ()  # files whose gathered points (page size 1) fit gather_tile_cycles
 
 
 def missed(fam: Family, point: "Point") -> str | None:
@@ -418,7 +433,8 @@ def load_config(path: Path = PROJECTION_CONFIG) -> ProjectionConfig:
                 raise f.fail("misses", f"[{i}]: a mapping of axes and a reason")
             misses.append(({k: v for k, v in m.items() if k != "reason"}, m["reason"]))
         families[name] = Family(name, tuple(f.get("archs", list)), tuple(f.get("fit", list, [])),
-                                tuple(f.get("held_out", list, [])), f.get("borrow", str, None), tuple(misses))
+                                tuple(f.get("held_out", list, [])), f.get("borrow", str, None), tuple(misses),
+                                tuple(f.get("gather_fit", list, [])))
         f.done()
     fams.done()
     top.done()
@@ -481,6 +497,32 @@ class Model:
                 break
         return Constants(family, *map(float, x), fitted_on=files, points=len(points))
 
+    def fit_gather(self, points: list[Point], k: Constants, files: tuple) -> Constants:
+        """k with gather_tile_cycles fitted on gathered points (least relative squares, the other constants held: they
+        come from the tensor-copy points, where no tile is gathered). The error is unimodal in the one term: a golden
+        section search over 0..40,000 cycles a tile."""
+        meas = np.array([p.us for p in points])
+
+        def err(g: float) -> float:
+            kk = replace(k, gather_tile_cycles=g)
+            r = np.array([self.predict(p, kk) for p in points]) / meas - 1.0
+            return float(r @ r)
+
+        lo, hi, phi = 0.0, 40000.0, (5 ** 0.5 - 1) / 2
+        a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+        fa, fb = err(a), err(b)
+        while hi - lo > 1.0:
+            if fa < fb:
+                hi, b, fb = b, a, fa
+                a = hi - phi * (hi - lo)
+                fa = err(a)
+            else:
+                lo, a, fa = a, b, fb
+                b = lo + phi * (hi - lo)
+                fb = err(b)
+        return replace(k, gather_tile_cycles=round((lo + hi) / 2, 1), gather_fitted_on=files,
+                       gather_points=len(points))
+
 
 def points_of(files: tuple, root: Path = REPO_ROOT) -> list[Point]:
     out = []
@@ -494,13 +536,17 @@ def constants_for(model: Model, cfg: ProjectionConfig, arch: str, extra: list[Po
     family with fewer points than constants borrows the fit of the family it names."""
     fam = family_of(cfg, arch)
     mine = [p for p in extra if family_of(cfg, p.gpu.arch) is fam]
-    points = points_of(fam.fit) + mine
+    src, points = fam, points_of(fam.fit) + mine
     files = fam.fit + tuple(sorted({p.source for p in mine}))
-    if len(points) < len(cfg.start.vector()):
+    if len([p for p in points if not gathered(p.shape)]) < len(cfg.start.vector()):
         src = cfg.families[fam.borrow]
-        points, files = points_of(src.fit), src.fit
-        return model.fit(points, cfg.start, src.name, files), fam
-    return model.fit(points, cfg.start, fam.name, files), fam
+        points, files, mine = points_of(src.fit), src.fit, []
+    # the pipes' constants from the tensor-copy points; then the gather term from the gathered ones
+    k = model.fit([p for p in points if not gathered(p.shape)], cfg.start, src.name, files)
+    gathered_points = [p for p in points_of(src.gather_fit) + points if gathered(p.shape)]
+    if gathered_points:
+        k = model.fit_gather(gathered_points, k, src.gather_fit + tuple(sorted({p.source for p in mine})))
+    return k, fam
 
 
 def check(model: Model, points: list[Point], k: Constants, fam: Family | None = None) -> list[dict]:
@@ -553,7 +599,8 @@ def fit_report(model: Model, cfg: ProjectionConfig, fam: Family, k: Constants) -
     """How far the constants are off on the points they were fitted on, and on the held-out ones (none for a family
     that borrows its constants: its points are the other family's)."""
     src = cfg.families[k.family]
-    fitted, held = check(model, points_of(src.fit), k), check(model, points_of(src.held_out), k, src)
+    fit_points = points_of(src.fit) + [p for p in points_of(src.gather_fit) if gathered(p.shape)]
+    fitted, held = check(model, fit_points, k), check(model, points_of(src.held_out), k, src)
     worst = lambda rows: max((abs(r["error"]) for r in rows), default=None)  # noqa: E731
     return {"family": fam.name, "constants_from": k.family, "tolerance": cfg.tolerance, "fit": fitted,
             "held_out": held, "fit_max_error": worst(fitted),

@@ -96,17 +96,32 @@ def test_fitted_on_the_h200_the_projection_holds_on_the_held_out_h100(model, cfg
     assert len(held) == 28 and {r["call"] for r in held} == set(kplan.CALLS)  # two H100 runs at page size 64
     off = {f"{r['shape']} {r['call']}": round(r["error"], 3) for r in held if abs(r["error"]) > cfg.tolerance}
     assert not off, off
-    assert rep["fit_max_error"] < 0.05
+    assert rep["fit_max_error"] < cfg.tolerance
 
 
 def test_the_known_misses_still_miss(model, cfg):
-    """Page size 1 on the H100 field report: the model (fitted without a gather) is far off. A miss that stops missing
-    is taken off configs/projection.yaml's list, not left there."""
+    """Page size 1 on the H100 field report: its calls ran the gathers before flash v32, and the gather term is fitted
+    on today's (faster) ones, so every one of them took longer than projected, and the worst by more than the
+    tolerance. A miss that stops missing is taken off configs/projection.yaml's list, not left there."""
     k, fam = P.constants_for(model, cfg, "sm_90")
     rep = P.fit_report(model, cfg, fam, k)
     misses = [r for r in rep["held_out"] if r["known_miss"]]
     assert len(misses) == 14 and all(r["shape"].endswith("-p1") for r in misses)
-    assert all(abs(r["error"]) > cfg.tolerance for r in misses), [(r["shape"], r["error"]) for r in misses]
+    assert all(r["error"] < 0 for r in misses) and max(-r["error"] for r in misses) > cfg.tolerance, \
+        [(r["shape"], r["error"]) for r in misses]
+
+
+def test_one_gather_term_fits_the_page_1_calls(model, cfg):
+    """Page size 1: both products gather each KV tile row by row through the page table. With the pipes' constants
+    fitted on tensor-copy points, one more constant (cycles a gathered tile costs beside its pipes) brings today's
+    H100 page-1 calls within the tolerance; without it they are 30-50 % off (the miss before the term)."""
+    k, _ = P.constants_for(model, cfg, "sm_90")
+    assert 500 < k.gather_tile_cycles < 5000 and k.gather_points == 14
+    gathered = [p for p in P.points_of(cfg.families["hopper"].gather_fit) if P.gathered(p.shape)]
+    errors = [model.predict(p, k) / p.us - 1 for p in gathered]
+    assert max(map(abs, errors)) < cfg.tolerance, errors
+    without = [model.predict(p, dataclasses.replace(k, gather_tile_cycles=0.0)) / p.us - 1 for p in gathered]
+    assert min(without) < -0.3 and max(without) < -0.15
 
 
 def test_a_projection_moves_with_the_sass_it_prices(model, cfg):
@@ -161,7 +176,7 @@ def test_the_readme_projection_runs_on_the_default_build(default_build):
     r = CliRunner().invoke(app, ["plan", "--gpu", "rtx-pro-6000", "--project", "--library", lib, "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["call"] == "flash" and doc["fit"]["fit_max_error"] < 0.05
+    assert doc["call"] == "flash" and doc["fit"]["fit_max_error"] < doc["fit"]["tolerance"]
     assert doc["fit"]["held_out_max_error"] < doc["fit"]["tolerance"]
     r = CliRunner().invoke(app, ["plan", "--gpu", "h200", "--project", "--library", lib])
     assert r.exit_code == 2 and "wgmma" in r.output and "Traceback" not in r.output
