@@ -27,7 +27,7 @@ TREE_KINDS = ("ddtree", "chain", "star", "random")
 
 
 # --------------------------------------------------------------------------------------------- helpers
-class _Reader:
+class YamlReader:
     """Reads one mapping of a YAML file, remembering where it is for error messages."""
 
     def __init__(self, data: Any, file: Path, where: str):
@@ -63,13 +63,13 @@ class _Reader:
         msg = f"must be in 1..{maximum}" if maximum else "must be > 0"
         return self.get(key, int, default, ok, msg)
 
-    def sub(self, key: str, default: Any = ...) -> "_Reader":
+    def sub(self, key: str, default: Any = ...) -> "YamlReader":
         self.used.add(key)
         if key not in self.data:
             if default is ...:
                 raise self.fail(key, "missing")
-            return _Reader(default, self.file, self._key(key))
-        return _Reader(self.data[key], self.file, self._key(key))
+            return YamlReader(default, self.file, self._key(key))
+        return YamlReader(self.data[key], self.file, self._key(key))
 
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.used)
@@ -160,7 +160,7 @@ def load_model(name_or_path: str | Path) -> ModelConfig:
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
         path = CONFIG_DIR / "models" / f"{name_or_path}.yaml"
-    r = _Reader(load_yaml(path), path, "")
+    r = YamlReader(load_yaml(path), path, "")
     y = r.sub("yarn")
     yarn = YarnConfig(
         factor=y.get("factor", float, check=lambda v: v >= 1.0, check_msg="must be >= 1"),
@@ -269,7 +269,7 @@ class SuiteSpec:
     cases: tuple
 
 
-def _tree_spec(r: _Reader) -> TreeSpec:
+def _tree_spec(r: YamlReader) -> TreeSpec:
     kind = r.get("kind", str, check=lambda v: v in TREE_KINDS, check_msg=f"must be one of {', '.join(TREE_KINDS)}")
     if kind == "ddtree":
         budget = r.positive_int("budget", maximum=MAX_BUDGET)
@@ -285,7 +285,7 @@ def _tree_spec(r: _Reader) -> TreeSpec:
     return spec
 
 
-def _tolerance(r: _Reader, default: Tolerance) -> Tolerance:
+def _tolerance(r: YamlReader, default: Tolerance) -> Tolerance:
     nonneg = (lambda v: v >= 0, "must be >= 0")
     t = Tolerance(atol=r.get("atol", float, default.atol, *nonneg), rtol=r.get("rtol", float, default.rtol, *nonneg),
                   cos_diff=r.get("cos_diff", float, default.cos_diff, *nonneg))
@@ -297,7 +297,7 @@ def _tolerance(r: _Reader, default: Tolerance) -> Tolerance:
 KV_CACHE_DTYPES = ("bf16", "e4m3")
 
 
-def _kv_cache(r: _Reader) -> tuple[str, float]:
+def _kv_cache(r: YamlReader) -> tuple[str, float]:
     """A case's `kv_cache: {dtype: e4m3, scale: S}` (absent: bf16). The scale must let the generator's rows fit e4m3
     (cases.E4M3_MIN_SCALE: no value saturates)."""
     from kdev.cases import E4M3_MIN_SCALE
@@ -318,7 +318,7 @@ DEFAULT_TOLERANCES = Tolerances(out=Tolerance(atol=1e-2, rtol=2e-2, cos_diff=1e-
                                 lse=Tolerance(atol=1e-3, rtol=1e-4, cos_diff=1e-9))
 
 
-def _tolerances(r: _Reader, default: Tolerances) -> Tolerances:
+def _tolerances(r: YamlReader, default: Tolerances) -> Tolerances:
     t = Tolerances(out=_tolerance(r.sub("out", {}), default.out), lse=_tolerance(r.sub("lse", {}), default.lse))
     r.done()
     return t
@@ -326,7 +326,7 @@ def _tolerances(r: _Reader, default: Tolerances) -> Tolerances:
 
 def load_suites(path: str | Path | None = None) -> dict[str, SuiteSpec]:
     path = Path(path) if path else CONFIG_DIR / "suites.yaml"
-    top = _Reader(load_yaml(path), path, "")
+    top = YamlReader(load_yaml(path), path, "")
     d = top.sub("defaults", {})
     default_model = d.get("model", str, "kimi-k2.6")
     default_tol = _tolerances(d.sub("tolerances", {}), DEFAULT_TOLERANCES)
@@ -341,7 +341,7 @@ def load_suites(path: str | Path | None = None) -> dict[str, SuiteSpec]:
         raw_cases = s.get("cases", list, check=lambda v: len(v) > 0, check_msg="needs at least one case")
         cases, names = [], set()
         for i, raw in enumerate(raw_cases):
-            c = _Reader(raw, path, f"suites.{sname}.cases[{i}]")
+            c = YamlReader(raw, path, f"suites.{sname}.cases[{i}]")
             name = c.get("name", str, check=lambda v: v.replace("-", "").replace("_", "").isalnum(),
                           check_msg="letters, digits, '-' and '_' only")
             if name in names:
@@ -402,7 +402,7 @@ def _arch_ok(a) -> bool:
 
 def load_build(path: str | Path | None = None, archs: list[str] | None = None) -> BuildConfig:
     path = Path(path) if path else CONFIG_DIR / "build.yaml"
-    r = _Reader(load_yaml(path), path, "")
+    r = YamlReader(load_yaml(path), path, "")
     cfg_archs = r.get("archs", list, check=lambda v: len(v) > 0 and all(map(_arch_ok, v)),
                       check_msg="a non-empty list like [sm_90, sm_120]")
     flags = r.get("flags", list, check=lambda v: all(isinstance(f, str) for f in v), check_msg="a list of strings")
@@ -469,7 +469,7 @@ class GpuSpec:
 
 def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
     path = Path(path) if path else CONFIG_DIR / "gpus.yaml"
-    top = _Reader(load_yaml(path), path, "")
+    top = YamlReader(load_yaml(path), path, "")
     gpus = top.sub("gpus")
     out = {}
     for key in list(gpus.data):
@@ -500,7 +500,7 @@ def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
     return out
 
 
-def _rate(x: "_Reader", unit: float = 1.0) -> Rate:
+def _rate(x: "YamlReader", unit: float = 1.0) -> Rate:
     """One figure: {value: X} or {low: A, high: B}, with its source (and measured), in the file's unit times `unit`."""
     positive = dict(check=lambda v: v > 0, check_msg="must be > 0")
     if "value" in x.data:
@@ -514,7 +514,7 @@ def _rate(x: "_Reader", unit: float = 1.0) -> Rate:
     return rate
 
 
-def _rates(r: "_Reader") -> dict:
+def _rates(r: "YamlReader") -> dict:
     out = {name: _rate(r.sub(name)) for name in RATE_NAMES}
     r.done()
     return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kdev import cabi, registry
-from kdev.config import _arch_ok, _Reader, load_yaml
+from kdev.config import _arch_ok, YamlReader, load_yaml
 from kdev.errors import BadInput
 from kdev.fsutil import read_json_record
 
@@ -46,7 +46,7 @@ class DeployConfig:
 def load_deploy(repo: Path, target: str | None = None) -> DeployConfig:
     path = repo / "configs" / "deploy.yaml"
     data = load_yaml(path) if path.is_file() else {}
-    r = _Reader(data or {}, path, "")
+    r = YamlReader(data or {}, path, "")
     configured_target = r.get("target_arch", str, "sm_120", check=_arch_ok, check_msg="an arch like sm_120")
     if target is not None and not _arch_ok(target):
         raise BadInput(f"--target: {target!r} is not an arch like sm_120")

@@ -23,7 +23,7 @@ import numpy as np
 
 from kdev import bench, cabi, sass
 from kdev import plan as kplan
-from kdev.config import CONFIG_DIR, REPO_ROOT, GpuSpec, Rate, load_gpus, load_yaml, _Reader
+from kdev.config import CONFIG_DIR, REPO_ROOT, GpuSpec, Rate, load_gpus, load_yaml, YamlReader
 from kdev.errors import BadInput, EnvironmentMissing
 from kdev.fsutil import atomic_write_bytes, read_json_record
 
@@ -350,7 +350,7 @@ def points_from_bench(doc: dict, where: str) -> list[Point]:
 
 def points_from_table(path: Path) -> list[Point]:
     """A points file (benchmarks/points/*.yaml): medians transcribed from a run's table, with its GPU and ceilings."""
-    top = _Reader(load_yaml(path), path, "")
+    top = YamlReader(load_yaml(path), path, "")
     gpu = _gpu_named(top.get("gpu", str), str(path))
     top.get("commit", str)
     archs = tuple(top.get("archs", list))  # the build that timed them (whether flash ran the wgmma kernel)
@@ -417,7 +417,7 @@ class ProjectionConfig:
 
 
 def load_config(path: Path = PROJECTION_CONFIG) -> ProjectionConfig:
-    top = _Reader(load_yaml(path), path, "")
+    top = YamlReader(load_yaml(path), path, "")
     tol = top.get("tolerance", float, check=lambda v: 0 < v < 1, check_msg="a fraction in (0, 1)")
     s = top.sub("start")
     start = Constants("start", s.get("efficiency", float), s.get("cta_cycles", (int, float)),

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kdev import cabi, registry
-from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, TREE_KINDS, Tolerance, _Reader, load_yaml
+from kdev.config import CONFIG_DIR, LATENT_DIM, QK_DIM, TREE_KINDS, Tolerance, YamlReader, load_yaml
 from kdev.errors import BadInput
 
 AXES = ("batch", "prefix", "budget", "heads", "page_size", "tree", "requests", "budgets", "capture")
@@ -148,7 +148,7 @@ class BenchConfig:
     target_gpu: dict = field(default_factory=dict)
 
 
-def _shape(r: _Reader, base: dict) -> tuple[Shape, float | None]:
+def _shape(r: YamlReader, base: dict) -> tuple[Shape, float | None]:
     vals = dict(base)
     for k in AXES:
         if k in r.data:
@@ -197,7 +197,7 @@ def _product(axes: dict) -> list[dict]:
 
 def load_bench(path: str | Path | None = None) -> BenchConfig:
     path = Path(path) if path else CONFIG_DIR / "bench.yaml"
-    top = _Reader(load_yaml(path), path, "")
+    top = YamlReader(load_yaml(path), path, "")
     m = top.sub("method", {})
     tol = m.sub("tolerance", {})
     d = Method()
@@ -251,7 +251,7 @@ def load_bench(path: str | Path | None = None) -> BenchConfig:
             v.done()
         for i, raw in enumerate(s.get("shapes", list, [])):
             where = f"sweeps.{name}.shapes[{i}]"
-            shape, target = _shape(_Reader(raw, path, where), DEFAULT_AXES)
+            shape, target = _shape(YamlReader(raw, path, where), DEFAULT_AXES)
             shapes.append(shape)
             if target is not None:
                 if targets_us.get(shape.name, target) != target:

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdev.config import CONFIG_DIR, _Reader, load_gpus, load_yaml
+from kdev.config import CONFIG_DIR, YamlReader, load_gpus, load_yaml
 from kdev.errors import BadInput
 
 
@@ -159,7 +159,7 @@ def step_parts(costs: StepCosts, dep: Deploy, topology: str, tokens: int, corner
 
 
 def load_step_costs(path: Path) -> StepCosts:
-    r = _Reader(load_yaml(Path(path)), Path(path), "")
+    r = YamlReader(load_yaml(Path(path)), Path(path), "")
     gpus = load_gpus()
     gpu = r.get("gpu", str)
     if gpu not in gpus or not gpus[gpu].bytes_per_s:
@@ -177,7 +177,7 @@ def load_step_costs(path: Path) -> StepCosts:
     return StepCosts(name, gpus[gpu].name, gpus[gpu].bytes_per_s, **vals, **floats)
 
 
-def _span(r: _Reader, key: str) -> Span:
+def _span(r: YamlReader, key: str) -> Span:
     s = r.sub(key)
     low, high = s.get("low", float), s.get("high", float)
     source = s.get("source", str)
@@ -191,7 +191,7 @@ def _span(r: _Reader, key: str) -> Span:
 
 def load_deploy(path: Path) -> Deploy:
     """The `deploy:` section of a step cost model: the GPUs, their link and every range, each with its source."""
-    top = _Reader(load_yaml(Path(path)), Path(path), "")
+    top = YamlReader(load_yaml(Path(path)), Path(path), "")
     if "deploy" not in top.data:
         raise BadInput(f"{path}: no deploy: section (the link, the ranges and their sources)")
     r = top.sub("deploy")
@@ -226,7 +226,7 @@ def _interpolate(points: dict, x: float, what: str, log: bool = False) -> float:
 
 def load_acceptance(path: Path) -> tuple[dict, str]:
     """{budget: tokens per round} from a YAML file (tokens_per_round: {16: 3.1, 64: 4.0}, source: "...")."""
-    r = _Reader(load_yaml(Path(path)), Path(path), "")
+    r = YamlReader(load_yaml(Path(path)), Path(path), "")
     curve = r.get("tokens_per_round", dict)
     try:
         points = {int(k): float(v) for k, v in curve.items()}
@@ -241,7 +241,7 @@ def load_acceptance(path: Path) -> tuple[dict, str]:
 
 
 def acceptance_measured(path: Path) -> bool:
-    return bool(_Reader(load_yaml(Path(path)), Path(path), "").get("measured", bool, False))
+    return bool(YamlReader(load_yaml(Path(path)), Path(path), "").get("measured", bool, False))
 
 
 def load_attention(path: Path, batch: int, prefix: int, heads: int, backend: str) -> tuple[dict, str]:
