@@ -3,8 +3,9 @@
 Separate concerns, one module each (as in nvbench): the sweep (sweeps: configs/bench.yaml -> shapes), the backends
 (runners: a registry by name), the measurement (measure: cold-L2 samples timed with CUDA events, stopped on a noise
 target or a time limit, throttled samples dropped; ceilings: this GPU's), a run (run), the verdicts (verdicts:
-roofline, speedups, targets, baseline) and stored results (results: JSON, CSV, plots). This package re-exports
-their names, so `from kdev import bench; bench.expand(...)` reads as before.
+roofline, speedups, targets, baseline) and stored results (results: JSON, CSV, plots). This package re-exports the
+names other modules use, listed below by the module that owns each, so `from kdev import bench; bench.expand(...)`
+reads as before and a reader sees where a name lives.
 
 Shapes: batch B, prefix L, budget N (T = N + 1 tree rows from a DDTree built by the reference over
 synthetic drafter distributions), heads H, page size, tree kind. Inputs are random on the GPU (never zeros)
@@ -20,10 +21,15 @@ Every backend's output is checked against the naive oracle before it is timed, a
 timed run (written over NaN) after; one that disagrees is reported and not ranked.
 """
 
-from kdev.bench.ceilings import *  # noqa: F401,F403
-from kdev.bench.measure import *  # noqa: F401,F403
-from kdev.bench.results import *  # noqa: F401,F403
-from kdev.bench.run import *  # noqa: F401,F403
-from kdev.bench.runners import *  # noqa: F401,F403
-from kdev.bench.sweeps import *  # noqa: F401,F403
-from kdev.bench.verdicts import *  # noqa: F401,F403
+from kdev.bench.ceilings import load_ceilings, measure_ceilings, measure_inner_loops
+from kdev.bench.results import load_results
+from kdev.bench.run import run_bench, run_tree_bench
+from kdev.bench.runners import LAYER_BACKENDS, RUNNERS, AbiRunner, make_inputs, make_runner
+from kdev.bench.sweeps import (ATTENTION_BACKENDS, PEER_LSE_TOLERANCE, TREE_BACKENDS, Shape, expand, flops_bytes,
+                               load_bench)
+from kdev.bench.verdicts import baseline_verdicts, judge_targets
+
+__all__ = ["load_ceilings", "measure_ceilings", "measure_inner_loops", "load_results", "run_bench", "run_tree_bench",
+           "LAYER_BACKENDS", "RUNNERS", "AbiRunner", "make_inputs", "make_runner", "ATTENTION_BACKENDS",
+           "PEER_LSE_TOLERANCE", "TREE_BACKENDS", "Shape", "expand", "flops_bytes", "load_bench", "baseline_verdicts",
+           "judge_targets"]
