@@ -279,9 +279,10 @@ def e2e_cmd(
         c.check(oracle.tiny_config(oracle.TinyModel(heads=c.heads)))
     report.info(f"e2e: {len(cases)} case(s) x their budgets, {', '.join(backends)}; the oracle's greedy decoding "
                 "first")
+    models: dict = {}
     with report.progress("e2e", run.work(cases)) as advance:
-        results = run.run_matrix(cases, device, advance)
-    rope = oracle.rope_agreement(oracle.build_model())
+        results = run.run_matrix(cases, device, advance, models)
+    rope = oracle.rope_agreement(next(iter(models.values())))
     doc = {"cases": [{**c.__dict__, "label": c.label()} for c in cases],
            "bounds": {"f64_rel": verdict.F64_REL, "bf16_rel": verdict.BF16_REL, "shared_rel": verdict.SHARED_REL,
                       "sigmas": verdict.SIGMAS, "propagation": verdict.PROPAGATION},

@@ -482,11 +482,13 @@ def _refs_key(c: Settings) -> tuple:
     return (c.heads, c.prompts, c.seed, c.min_prompt, c.max_prompt, c.rounds, c.depth, c.position_offset)
 
 
-def run_matrix(cases: list[Settings], device: str = "cpu", progress=None) -> list[BudgetResult]:
-    """Every case, one model per head count and one reference decode per set of prompts (shared by the backends)."""
+def run_matrix(cases: list[Settings], device: str = "cpu", progress=None, models: dict | None = None
+               ) -> list[BudgetResult]:
+    """Every case, one model per head count (kept in `models` where given) and one reference decode per set of
+    prompts (shared by the backends)."""
     for c in cases:  # every case's settings before any model is built
         c.check(oracle.tiny_config(oracle.TinyModel(heads=c.heads)))
-    models: dict = {}
+    models = {} if models is None else models
     refs: dict = {}
     for c in cases:
         if c.heads not in models:
