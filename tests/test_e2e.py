@@ -113,6 +113,28 @@ def test_the_verdict_excuses_a_near_tie_within_the_bound_and_fails_what_is_not()
     assert verdict.judge(want.clone(), want, bound, 3)[4] == "ok"
 
 
+def test_an_excused_near_tie_is_reported_teacher_forced_and_the_comparison_goes_on(oracle_run, monkeypatch):
+    """A position whose argmax is not the oracle's but whose logits are within the bound: listed with why, the
+    oracle's token taken (the walk and the emitted tokens stay the oracle's), and every later position compared."""
+    real = verdict.judge
+    calls = []
+
+    def judge(got, want, bound, want_token):
+        calls.append(1)
+        ratio, err, bnd, arg, status = real(got, want, bound, want_token)
+        if len(calls) == 3:  # as if this position's top-2 had swapped within the bound
+            return ratio, err, bnd, (want_token + 1) % 256, "excused"
+        return ratio, err, bnd, arg, status
+
+    monkeypatch.setattr(verdict, "judge", judge)
+    r = _run(oracle_run, backend=adapter.EMULATED)
+    assert r.passed and not r.differences and r.compared == r.tokens == len(calls)
+    (p,) = r.excused
+    assert p.status == "excused" and p.got != p.want and "near-tie" in p.why and "oracle's token taken" in p.why
+    d = r.to_dict()
+    assert d["excused"] == 1 and d["positions"][0]["why"] == p.why
+
+
 def test_the_bf16_bound_is_zero_nowhere_and_grows_with_the_output():
     model = oracle.build_model()
     b = verdict.Bounds(model, bf16=True)
