@@ -153,8 +153,7 @@ def test_the_command_gives_the_projection_and_refuses_bad_files(tmp_path):
         "weight_bytes"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("tokens_per_round: {16: 0.5}\n")
-    for args, words in ((["--acceptance", str(acc)], "needs --attention"),
-                        (["--acceptance", str(bad), "--attention", BENCH], "at least 1 token per round"),
+    for args, words in ((["--acceptance", str(bad), "--attention", BENCH], "at least 1 token per round"),
                         (["--acceptance", str(acc), "--attention", BENCH, "--batch", "3"], "no flash timing at batch 3"),
                         (["--acceptance", str(acc), "--attention", BENCH, "--budget", "256"], "budget 256 outside"),
                         (["--acceptance", str(acc), "--attention", BENCH, "--topology", "ep"], "--topology 'ep'"),
@@ -162,6 +161,25 @@ def test_the_command_gives_the_projection_and_refuses_bad_files(tmp_path):
                         (["--topology", "dp-ep"], "only with --acceptance")):
         r = cli.invoke(app, ["e2e", *args])
         assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_without_a_bench_file_the_attention_is_kdev_plans_projection_at_page_size_1(tmp_path):
+    from kdev import build
+
+    acc = tmp_path / "acceptance.yaml"
+    acc.write_text(yaml.safe_dump({"source": "synthetic (a test)", "tokens_per_round": {1: 1.8, 16: 3.0, 64: 3.8}}))
+    r = CliRunner().invoke(app, ["e2e", "--acceptance", str(acc), "--budget", "0,4,16,64", "--json"])
+    if build.latest_library() is None:  # the projection reads a built library's plan and SASS
+        assert r.exit_code != 0 and "kdev build" in r.output and "Traceback" not in r.output, r.output
+        return
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    att = doc["attention"]
+    assert att["file"] is None and "kdev plan --project" in att["source"] and att["gpu"].startswith("NVIDIA RTX PRO")
+    assert any("page size 1" in n for n in att["notes"])  # the projection's known page-1 miss, said
+    for row in doc["budgets"]:
+        assert 0 < row["verify_attention_us_low"] <= row["verify_attention_us"] <= row["verify_attention_us_high"]
+    assert any(m["input"] == "verify_attention_us" for m in doc["sensitivity"])
 
 
 def test_the_plot_is_written(tmp_path):

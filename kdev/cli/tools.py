@@ -212,7 +212,8 @@ def e2e_cmd(
         None, "--acceptance", help="Instead of decoding: the budget curve of a real deploy from this acceptance curve "
         "(YAML: tokens_per_round by budget, e.g. measured in production), --attention and --step-costs."),
     attention: Optional[Path] = typer.Option(None, "--attention", help="With --acceptance: a kdev bench result with "
-                                             "the verify attention's times over the budgets at --batch/--prefix."),
+                                             "the verify attention's times over the budgets at --batch/--prefix "
+                                             "(default: kdev plan --project's range on the cost model's GPU)."),
     step_costs: Optional[Path] = typer.Option(None, "--step-costs", help="With --acceptance: the rest of a step's "
                                               "cost model (default: configs/steps/kimi-k2.6-rtx-pro-6000-tp8.yaml)."),
     batch: int = typer.Option(1, "--batch", min=1, help="With --acceptance: requests per step."),
@@ -302,8 +303,6 @@ def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, bac
     from kdev.cli import write_json_file
     from kdev.e2e import deploy
 
-    if attention is None:
-        raise BadInput("--acceptance needs --attention (a kdev bench result over the budgets)")
     if topology not in deploy.TOPOLOGIES:
         raise BadInput(f"--topology {topology!r}: one of {', '.join(deploy.TOPOLOGIES)}")
     path = step_costs or deploy.default_step_costs()
@@ -315,23 +314,33 @@ def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, bac
     # its requests
     heads = costs.heads // dep.gpus if topology == "tp" else costs.heads
     attn_batch = batch if topology == "tp" else -(-batch // dep.gpus)
-    times, timed_on = deploy.load_attention(attention, attn_batch, prefix, heads, kernel)
-    if timed_on != costs.gpu_name:
-        report.warn(f"the verify attention was timed on {timed_on}, the step costs are for {costs.gpu_name}: "
-                    "time it on the deploy GPU for the deploy's curve")
-    if budgets is None:  # plain decoding and every power of two the acceptance curve and the timings reach
+    times_high, notes = None, []
+    if attention is not None:
+        times, timed_on = deploy.load_attention(attention, attn_batch, prefix, heads, kernel)
+        attn_source = f"{attention} (kdev bench on {timed_on})"
+        if timed_on != costs.gpu_name:
+            report.warn(f"the verify attention was timed on {timed_on}, the step costs are for {costs.gpu_name}: "
+                        "time it on the deploy GPU for the deploy's curve")
+    if budgets is None:  # plain decoding and every power of two the acceptance curve (and the timings) reach
         budgets = (0, *(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-                        if min(curve) <= b <= max(curve) and b <= max(times)))
+                        if min(curve) <= b <= max(curve) and (attention is None or b <= max(times))))
     if any(b < 0 or b > 512 for b in budgets):
         raise BadInput(f"--budget {','.join(map(str, budgets))}: 0 (plain decoding) to 512")
-    rows = deploy.projection(costs, dep, topology, times, curve, list(budgets), batch)
-    moves = deploy.sensitivity(costs, dep, topology, times, curve, list(budgets), batch)
+    if attention is None:  # no bench file of the card: kdev plan --project's range, at page size 1 as SGLang calls it
+        times, times_high, timed_on, notes = deploy.projected_attention(costs, list(budgets), attn_batch, prefix, heads,
+                                                                        kernel)
+        attn_source = f"kdev plan --project on {timed_on}, page size 1 (a range)"
+        for n in notes:
+            report.warn(n)
+    rows = deploy.projection(costs, dep, topology, times, curve, list(budgets), batch, attention_high=times_high)
+    moves = deploy.sensitivity(costs, dep, topology, times, curve, list(budgets), batch, times_high)
     measured = deploy.acceptance_measured(acceptance)
     doc = {"projection": True, "illustrative": not measured, "step_costs": costs.__dict__,
            "deploy": {k: (v.__dict__ if isinstance(v, deploy.Span) else v) for k, v in dep.__dict__.items()},
            "topology": topology, "acceptance": {"file": str(acceptance), "source": source, "measured": measured},
-           "attention": {"file": str(attention), "kernel": kernel, "batch": attn_batch, "prefix": prefix,
-                         "heads": heads, "gpu": timed_on}, "budgets": rows, "sensitivity": moves}
+           "attention": {"file": str(attention) if attention else None, "source": attn_source, "kernel": kernel,
+                         "batch": attn_batch, "prefix": prefix, "heads": heads, "gpu": timed_on, "notes": notes},
+           "budgets": rows, "sensitivity": moves}
     write_json_file(out_json, doc)
     if plot_out is not None:
         deploy.plot(plot_out, rows, f"{'ILLUSTRATIVE ' if not measured else ''}projection: {costs.name}, {topology}, "
@@ -339,7 +348,8 @@ def _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, bac
     if json_out:
         report.emit_json(doc)
     else:
-        views.show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, source, measured)
+        views.show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, doc["acceptance"]["source"],
+                                measured, attn_source)
 
 
 # --------------------------------------------------------------------------------------------------- clean

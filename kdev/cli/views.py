@@ -482,7 +482,8 @@ def show_e2e(results, doc) -> None:
                 "(docs/e2e.md); a near-tie within them is excused and the oracle's token taken")
 
 
-def show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, source, measured) -> None:
+def show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, source, measured,
+                      attention_source) -> None:
     def us(v: float) -> str:
         return f"{v:,.0f}"
 
@@ -501,6 +502,7 @@ def show_deploy_curve(rows, moves, costs, dep, topology, batch, prefix, kernel, 
     report.show(f"best budget {best['budget']}: {best['tokens_per_s']:,.0f} tokens/s "
                 f"({best['tokens_per_s_high']:,.0f} to {best['tokens_per_s_low']:,.0f} over the ranges below)")
     report.show(f"acceptance: {source}")
+    report.show(f"verify attention: {attention_source}")
     report.show("what moves the best budget's tokens/s most (one input at each end, the others at their middle):")
     for m in moves[:3]:
         lo, hi = m["at_low"], m["at_high"]

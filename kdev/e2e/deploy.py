@@ -49,6 +49,7 @@ class StepCosts:
     other_weight_bytes: float
     allreduce_us: float
     allreduces_per_layer: int
+    gpu_key: str = ""  # configs/gpus.yaml's key of the GPU
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct routed experts that `tokens` tokens reach in one layer, routing uniform:
@@ -174,7 +175,7 @@ def load_step_costs(path: Path) -> StepCosts:
     name = r.get("name", str)
     r.sub("deploy", {})  # read by load_deploy
     r.done()
-    return StepCosts(name, gpus[gpu].name, gpus[gpu].bytes_per_s, **vals, **floats)
+    return StepCosts(name, gpus[gpu].name, gpus[gpu].bytes_per_s, **vals, **floats, gpu_key=gpu)
 
 
 def _span(r: YamlReader, key: str) -> Span:
@@ -265,6 +266,35 @@ def load_attention(path: Path, batch: int, prefix: int, heads: int, backend: str
     return points, gpu.get("name", "an unnamed GPU") if isinstance(gpu, dict) else str(gpu)
 
 
+def projected_attention(costs: StepCosts, budgets: list[int], batch: int, prefix: int, heads: int, kernel: str,
+                        page_size: int = 1) -> tuple[dict, dict, str, list[str]]:
+    """One layer's verify attention on the deploy's GPU from `kdev plan --project` (docs/projection.md), where no bench
+    file of that card exists: ({budget: low µs}, {budget: high µs}, the GPU's name, notes: a stale library, the
+    projection's known misses at this page size). Page size 1 by default: SGLang's MLA verify calls it so."""
+    from kdev import bench, build, projection
+    from kdev import plan as kplan
+    from kdev.errors import EnvironmentMissing
+
+    gpu = kplan.resolve_gpu(costs.gpu_key or costs.gpu_name)
+    path = build.latest_library()
+    if path is None:
+        raise EnvironmentMissing(build.missing_default_library())
+    planner = kplan.PlanLibrary(build.library_file(Path(path)))
+    notes = [n for n in (planner.stale_note(),) if n]
+    shapes = [bench.Shape(batch=batch, prefix=prefix, budget=b, heads=heads, page_size=page_size)
+              for b in sorted({max(b, 1) for b in budgets})]
+    doc = projection.run(planner, shapes, gpu, kernel)
+    low = {s["axes"]["budget"]: float(s["low_us"]) for s in doc["shapes"]}
+    high = {s["axes"]["budget"]: float(s["high_us"]) for s in doc["shapes"]}
+    cfg = projection.load_config()
+    fam = projection.family_of(cfg, gpu.arch)
+    for f in (fam, *([cfg.families[fam.borrow]] if fam.borrow else [])):
+        for match, why in f.misses:
+            if match.get("page_size", page_size) == page_size:
+                notes.append(f"the projection's known miss at page size {page_size} ({f.name}): {why}")
+    return low, high, gpu.name, notes
+
+
 def attention_at(attention: dict, budget: int) -> tuple[float, bool]:
     """One layer's verify attention at `budget` (µs), and whether it is the smallest timed budget's, an upper bound:
     below the bench's budgets the time is taken at its smallest (the attention grows with the tree); above, refused."""
@@ -278,7 +308,7 @@ CORNERS = ("low", "mid", "high")
 
 
 def projection(costs: StepCosts, dep: Deploy, topology: str, attention: dict, acceptance: dict, budgets: list[int],
-               batch: int, dep_over: dict | None = None) -> list[dict]:
+               batch: int, dep_over: dict | None = None, attention_high: dict | None = None) -> list[dict]:
     """The budget curve as a projection: per budget (0: plain decoding), the step's parts at the middle of every range
     and tokens/s at its fast and slow ends; the best budget by the middle. dep_over: Deploy fields replaced (the
     sensitivity's one input at one end)."""
@@ -290,11 +320,16 @@ def projection(costs: StepCosts, dep: Deploy, topology: str, attention: dict, ac
     for b in budgets:
         tau = 1.0 if b == 0 else _interpolate(acceptance, b, "acceptance curve", log=True)
         per_layer, floor = attention_at(attention, max(b, 1))
+        per_layer_high = attention_at(attention_high, max(b, 1))[0] if attention_high else per_layer
         # tp: every GPU attends with its heads; dp-ep: the request's GPU with all of them (the bench's 'heads' axis)
-        attn = costs.layers * per_layer
-        row = {"budget": b, "tokens_per_round": tau, "verify_attention_us": attn, "attention_upper_bound": floor}
+        span = {"low": per_layer, "mid": (per_layer + per_layer_high) / 2, "high": per_layer_high}
+        attn = costs.layers * span["mid"]
+        row = {"budget": b, "tokens_per_round": tau, "verify_attention_us": attn, "attention_upper_bound": floor,
+               "verify_attention_us_low": costs.layers * span["low"],
+               "verify_attention_us_high": costs.layers * span["high"]}
         local = -(-batch // dep.gpus) * (b + 1)  # dp-ep: the requests of the busiest GPU
         for corner in CORNERS:
+            attn = costs.layers * span[corner]
             parts = step_parts(costs, dep, topology, batch * (b + 1), corner, local)
             step = attn + parts["weights_us"] + parts["comm_us"] + parts["drafter_us"] * (b > 0) + parts["other_us"]
             if corner == "mid":
@@ -302,6 +337,7 @@ def projection(costs: StepCosts, dep: Deploy, topology: str, attention: dict, ac
                 row["drafter_us"] = parts["drafter_us"] * (b > 0)
                 row["step_us"] = step
                 row["attention_share"] = attn / step
+                row["verify_attention_us"] = attn
             row[f"tokens_per_s_{corner}"] = batch * tau / step * 1e6
         row["tokens_per_s"] = row["tokens_per_s_mid"]
         rows.append(row)
@@ -311,7 +347,7 @@ def projection(costs: StepCosts, dep: Deploy, topology: str, attention: dict, ac
     return rows
 
 
-def sensitivity(costs, dep, topology, attention, acceptance, budgets, batch) -> list[dict]:
+def sensitivity(costs, dep, topology, attention, acceptance, budgets, batch, attention_high=None) -> list[dict]:
     """Each uncertain input at its low and its high end, the others at their middle: the best budget and its
     tokens/s at each, the inputs ordered by how far they move the best tokens/s."""
     from dataclasses import replace
@@ -322,10 +358,22 @@ def sensitivity(costs, dep, topology, attention, acceptance, budgets, batch) -> 
         ends = {}
         for end in ("low", "high"):
             pinned = Span(span.at(end), span.at(end), span.source)
-            rows = projection(costs, replace(dep, **{name: pinned}), topology, attention, acceptance, budgets, batch)
+            rows = projection(costs, replace(dep, **{name: pinned}), topology, attention, acceptance, budgets, batch,
+                              attention_high=attention_high)
             best = next(r for r in rows if r["best"])
             ends[f"at_{end}"] = {"best_budget": best["budget"], "tokens_per_s": best["tokens_per_s"]}
         out.append({"input": name, "low": span.low, "high": span.high, "source": span.source, **ends,
+                    "swing": abs(ends["at_high"]["tokens_per_s"] - ends["at_low"]["tokens_per_s"]),
+                    "moves_best_budget": ends["at_low"]["best_budget"] != ends["at_high"]["best_budget"]})
+    if attention_high:  # the verify attention's own range (kdev plan --project's)
+        ends = {}
+        for end, times in (("low", attention), ("high", attention_high)):
+            rows = projection(costs, dep, topology, times, acceptance, budgets, batch)
+            best = next(r for r in rows if r["best"])
+            ends[f"at_{end}"] = {"best_budget": best["budget"], "tokens_per_s": best["tokens_per_s"]}
+        top = max(attention)
+        out.append({"input": "verify_attention_us", "low": attention[top], "high": attention_high[top],
+                    "source": f"kdev plan --project's range (at budget {top}: low .. high)", **ends,
                     "swing": abs(ends["at_high"]["tokens_per_s"] - ends["at_low"]["tokens_per_s"]),
                     "moves_best_budget": ends["at_low"]["best_budget"] != ends["at_high"]["best_budget"]})
     return sorted(out, key=lambda x: -x["swing"])
