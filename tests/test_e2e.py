@@ -256,7 +256,8 @@ def test_the_command_reports_its_verdict_and_refuses_bad_settings(tmp_path):
     for args, words in ((["--budget", "0"], "--budget 0"), (["--budget", "5000"], "--budget 5000"),
                         (["--topk", "0"], "--topk 0"), (["--page-size", "48"], "page_size 48"),
                         (["--backend", "flash"], "runs on --device cuda"), (["--agree", "1.5"], "--agree 1.5"),
-                        (["--rounds", "20000"], "past the model's"), (["--backend", "reference,bogus"], "'bogus'")):
+                        (["--rounds", "20000"], "past the model's"), (["--backend", "reference,bogus"], "'bogus'"),
+                        (["--graph"], "--graph: CUDA graphs")):
         r = cli.invoke(app, ["e2e", *args], catch_exceptions=False)
         assert r.exit_code == 2, (args, r.output)
         assert words in r.output and "Traceback" not in r.output

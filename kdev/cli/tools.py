@@ -263,8 +263,11 @@ def e2e_cmd(
         _deploy_curve(acceptance, attention, step_costs, budgets, batch, prefix, b, topology, plot_out, out_json,
                       json_out)
         return
+    if graph and device != "cuda":
+        raise BadInput("--graph: CUDA graphs of a kernel backend, on --device cuda")
     if backends is None:
         backends = ("reference", EMULATED) if device == "cpu" else ("reference", *registry.ENGINE)
+        backends = backends if not graph else tuple(registry.ENGINE)
     for b in backends:
         if b not in ("reference", EMULATED) and device != "cuda":
             raise BadInput(f"--backend {b}: a kernel, which runs on --device cuda")

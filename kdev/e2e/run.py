@@ -135,6 +135,9 @@ class Settings:
             raise BadInput(f"--backend {self.backend!r}: one of {', '.join(adapter.BACKENDS)}")
         if not 0.0 <= self.agree <= 1.0:
             raise BadInput(f"--agree {self.agree}: between 0 and 1")
+        if self.graph and self.backend in ("reference", adapter.EMULATED):
+            raise BadInput(f"--graph: a kernel backend on --device cuda, not {self.backend} (it reads lengths on the "
+                           "host)")
         if self.mutant is not None and self.mutant not in MUTANTS:
             raise BadInput(f"mutant {self.mutant!r}: one of {', '.join(MUTANTS)}")
 
