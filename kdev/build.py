@@ -35,6 +35,7 @@ from kdev.fsutil import (atomic_write_bytes, make_temp_dir, normal_mode, raise_i
 KERNEL_DIR = REPO_ROOT / "kernels"
 HEADER = Path("include") / "kdev" / "kdtree.h"  # the C interface, in a kernels/ tree
 LIB_NAME = "libkdtree.so"
+LOCK_NAME = "build.lock"  # in a build's folder: one build of a configuration at a time (_one_build_at_a_time)
 LATEST = "latest.json"
 MIN_ARCH = 80  # the oldest arch the kernels compile for
 
@@ -218,8 +219,8 @@ def _one_build_at_a_time(folder: Path, log):
     one build, and the seven others find it cached. A folder that cannot be written is not locked (nothing can be built
     there; a cached build is only read)."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder.parent / f".{folder.name}.lock", os.O_RDWR | os.O_CREAT, normal_mode())
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, normal_mode())
     except OSError:
         yield
         return

@@ -73,14 +73,9 @@ def build_config():
 
 
 @pytest.fixture(scope="session")
-def sm90_library(tmp_path_factory):
-    """A library built for sm_90 from the current sources into a temporary folder (needs nvcc)."""
-    if not HAVE_NVCC:
-        pytest.skip("nvcc not found")
-    c = kconfig.load_build(None, ["sm_90"])
-    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("lib") / "build", False,
-                              c.smem_limit_bytes, c.path)
-    return kbuild.build(cfg).library
+def sm90_library(both_archs):
+    """A library with sm_90 code from the current sources (both_archs': one build for the whole run; needs nvcc)."""
+    return both_archs[1].library
 
 
 @pytest.fixture(scope="session")

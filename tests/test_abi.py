@@ -132,8 +132,8 @@ def test_load_library_reuses_a_current_build_for_this_arch(monkeypatch, sm90_lib
     monkeypatch.setattr(kbuild, "build", lambda cfg, log=None: built.append(cfg.archs) or SimpleNamespace(
         problems=[], library=sm90_library))
     assert abi.load_library().path == sm90_library and built == []
-    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_120")  # the last build lacks this GPU's arch
-    assert abi.load_library().path == sm90_library and built == [("sm_120",)]
+    monkeypatch.setattr(gpu, "current_arch", lambda: "sm_100")  # the last build (sm_90, sm_120) lacks this GPU's arch
+    assert abi.load_library().path == sm90_library and built == [("sm_100",)]
 
 
 def test_load_library_takes_an_arch_specific_build_for_its_gpu(monkeypatch, tmp_path):

@@ -153,30 +153,33 @@ def test_build_info_embedded_in_library(both_archs):
     assert lib.kdtree_max_qlen() == 1025
 
 
-@needs_nvcc
-def test_cache_hit_then_rebuild_on_source_change(tmp_path, build_config):
-    kdir = tmp_path / "kernels"
-    shutil.copytree(kbuild.KERNEL_DIR, kdir)
-    cfg = build_config(tmp_path / "build", ["sm_90"])
-    first = kbuild.build(cfg, kernel_dir=kdir)
-    again = kbuild.build(cfg, kernel_dir=kdir)
-    assert not first.cached and again.cached and again.key == first.key
-    src = kdir / "verify_attn.cu"
-    src.write_text(src.read_text() + "\n// touched\n")
-    third = kbuild.build(cfg, kernel_dir=kdir)
-    assert not third.cached and third.key != first.key
-
-
-@needs_nvcc
-def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, build_config):
-    cfg = build_config(tmp_path / "build", ["sm_90"])
+@pytest.fixture(scope="module")
+def sm90_builds(tmp_path_factory):
+    """(cfg, this checkout's sm_90 build, latest.json as it stood, a variant build of a copy of kernels/ with one source
+    edited): the two full builds the cache, variant and candidate tests share (only nvcc-marked tests take it)."""
+    tmp = tmp_path_factory.mktemp("sm90")
+    c = config.load_build(None, ["sm_90"])
+    cfg = config.BuildConfig(c.archs, c.flags, tmp / "build", False, c.smem_limit_bytes, c.path)
     main = kbuild.build(cfg)
     latest = (cfg.output_dir / "latest.json").read_text()
-    cand = tmp_path / "candidate" / "kernels"
+    cand = tmp / "candidate" / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, cand)
     src = cand / "verify_attn_flash.cu"
     src.write_text(src.read_text() + "\n// candidate\n")
-    var = kbuild.build(cfg, kernel_dir=cand, variant=True)
+    return cfg, main, latest, kbuild.build(cfg, kernel_dir=cand, variant=True)
+
+
+@needs_nvcc
+def test_cache_hit_then_rebuild_on_source_change(sm90_builds):
+    cfg, first, _, edited = sm90_builds
+    again = kbuild.build(cfg)
+    assert not first.cached and again.cached and again.key == first.key
+    assert not edited.cached and edited.key != first.key
+
+
+@needs_nvcc
+def test_variant_build_has_its_own_folder_and_leaves_latest_alone(sm90_builds):
+    cfg, main, latest, var = sm90_builds
     assert not var.problems and var.library.is_file() and var.library != main.library
     assert var.folder.name == f"{main.folder.name}-variant-{var.build_info['source_hash'][:12]}"
     assert var.build_info["variant"] is True and main.build_info["variant"] is False
@@ -184,6 +187,7 @@ def test_variant_build_has_its_own_folder_and_leaves_latest_alone(tmp_path, buil
         warnings.simplefilter("error")
         assert abi.Library(var.library).stale
     assert (cfg.output_dir / "latest.json").read_text() == latest and main.library.is_file()
+    cand = var.folder.parent.parent / "candidate" / "kernels"
     assert kbuild.build(cfg, kernel_dir=cand, variant=True).cached
     assert var.build_info["sources"]["kernels/verify_attn_flash.cu"] != main.build_info["sources"][
         "kernels/verify_attn_flash.cu"]
@@ -422,18 +426,15 @@ def test_a_one_arch_build_is_its_own_latest_and_leaves_the_default_alone(tmp_pat
 
 
 @pytest.mark.nvcc
-def test_a_candidate_with_this_checkouts_sources_reuses_its_build(tmp_path, build_config):
+def test_a_candidate_with_this_checkouts_sources_reuses_its_build(tmp_path, sm90_builds):
     """kdev sass --against HEAD (or a copy of kernels/ that was not edited) finds this checkout's library instead of
-    compiling the same sources into a folder of their own."""
-    cfg = build_config(tmp_path / "build", ["sm_90"])
-    own = kbuild.build(cfg)
+    compiling the same sources into a folder of their own; an edited copy gets a folder of its own."""
+    cfg, own, _, edited = sm90_builds
     copy = tmp_path / "copy" / "kernels"
     shutil.copytree(kbuild.KERNEL_DIR, copy)
     again = kbuild.build(cfg, kernel_dir=copy, variant=True)
     assert again.cached and again.library == own.library
-    (copy / "verify_attn.cu").write_text((copy / "verify_attn.cu").read_text() + "\n// edited\n")
-    other = kbuild.build(cfg, kernel_dir=copy, variant=True)
-    assert not other.cached and other.library != own.library and "-variant-" in other.folder.name
+    assert not edited.cached and edited.library != own.library and "-variant-" in edited.folder.name
 
 
 @pytest.mark.nvcc

@@ -5,6 +5,7 @@ builds to $KDEV_HOME, never into the package."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,19 +21,25 @@ REPO = Path(__file__).resolve().parent.parent
 def installed(tmp_path_factory):
     """(python, env, cwd) of a fresh venv with the wheel and torch 2.13.0 installed."""
     tmp = tmp_path_factory.mktemp("installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("KDEV_REPO", "KDEV_LIB", "KDEV_LEDGER", "PYTHONPATH")}
+    # the tracked files alone, built outside the checkout (a build writes its egg-info and build/lib beside the sources)
+    src = tmp / "src"
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, src / rel)
     dist = tmp / "dist"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                        str(REPO)], capture_output=True, text=True)
+                        str(src)], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = dist.glob("kdev-*.whl")
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
     # torch pinned to the CPU build that lies on this machine's disk (a range would pull the CUDA build)
     r = subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", str(wheel)], capture_output=True,
-                       text=True)
+                       text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("KDEV_REPO", "KDEV_LIB", "KDEV_LEDGER", "PYTHONPATH")}
     env["KDEV_HOME"] = str(tmp / "home")
     cwd = tmp / "elsewhere"
     cwd.mkdir()

@@ -4,26 +4,22 @@ instructions (the shapes, the register-A form and the transposed B the header as
 
 import pytest
 
-from kdev import build as kbuild
-from kdev import config as kconfig
 from kdev import sass
 
 pytestmark = pytest.mark.nvcc
 
 
-@pytest.fixture(scope="module")
-def sm90a_build(tmp_path_factory):
-    c = kconfig.load_build(None, ["sm_90a"])
-    cfg = kconfig.BuildConfig(c.archs, c.flags, tmp_path_factory.mktemp("wg") / "build", False, c.smem_limit_bytes,
-                              c.path)
-    res = kbuild.build(cfg)
-    assert not res.problems, res.problems
+@pytest.fixture(scope="session")
+def sm90a_build(default_build):
+    """The build `kdev build` makes (sm_90a and sm_120: one for the whole run) holds the sm_90a code."""
+    cfg, res = default_build
+    assert "sm_90a" in cfg.archs and not res.problems, res.problems
     return res
 
 
 @pytest.fixture(scope="module")
 def sm90a_functions(sm90a_build):
-    functions = sass.parse(sass.dump(sm90a_build.library))
+    functions = [f for f in sass.parse(sass.dump(sm90a_build.library)) if f.arch == "sm_90a"]
     names = sass.demangle(sorted({f.name for f in functions}))
     return {names[f.name]: f for f in functions}
 

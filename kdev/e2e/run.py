@@ -439,9 +439,19 @@ def _forward(model, latent, step, tokens, positions, clock, device) -> torch.Ten
         return _logits(model, tokens.to(device), positions.to(device), latent)
 
 
+def _kernels_on(device: str) -> None:
+    """On CUDA, the library the ops run: this GPU's, built first where need be (kdev e2e is a command; the ops alone,
+    a server's path, never start nvcc)."""
+    if torch.device(device).type == "cuda":
+        from kdev import abi
+
+        ops.use_library(abi.load_library())
+
+
 def run(settings: Settings, device: str = "cpu", progress=None, model=None, refs=None) -> list[BudgetResult]:
     """Every budget of settings on one model and one set of prompts, the references decoded once (by the stock model,
     on the same device) unless given."""
+    _kernels_on(device)
     model = model if model is not None else oracle.build_model(oracle.TinyModel(heads=settings.heads))
     settings.check(model)
     if settings.graph and (torch.device(device).type != "cuda" or settings.backend in ("reference", adapter.EMULATED)):
@@ -491,6 +501,7 @@ def run_matrix(cases: list[Settings], device: str = "cpu", progress=None, models
     prompts (shared by the backends)."""
     for c in cases:  # every case's settings before any model is built
         c.check(oracle.tiny_config(oracle.TinyModel(heads=c.heads)))
+    _kernels_on(device)
     models = {} if models is None else models
     refs: dict = {}
     for c in cases:
