@@ -297,8 +297,8 @@ def test_missing_library_is_bad_input(tmp_path):
 def test_sass_command_on_a_built_library(sm90_library):
     if kbuild.find_cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install 'kdev[build]')")
-    out = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--json"],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_90",
+                          "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     loops = doc["loops"]
@@ -310,10 +310,10 @@ def test_sass_command_on_a_built_library(sm90_library):
     assert {r["kernel"] for r in loops} == full | narrow
     for r in loops:
         assert r["hmma"] > 0 and sum(r["chains"].values()) <= r["hmma"]
-    bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_120"],
+    bad = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--arch", "sm_100"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "no SASS for sm_120 (the library has: sm_90)" in bad.stderr
+    assert "no SASS for sm_100 (the library has: sm_90, sm_120)" in bad.stderr
     # the library against itself (named by its build folder): every kernel of it, identical
     same = subprocess.run([sys.executable, "-m", "kdev", "sass", "--library", str(sm90_library), "--against",
                            str(sm90_library.parent), "--expect-same", "--json"], capture_output=True, text=True)
