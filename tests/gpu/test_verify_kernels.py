@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdev import abi, cases, config, vectors
+from kdev import abi, cabi, cases, config, vectors
 from kdev.compare import compare
 
 pytestmark = pytest.mark.gpu
@@ -314,6 +314,7 @@ def test_a_copy_of_the_library_gives_the_same_bits_in_one_verify_run(lib, tmp_pa
     copy = tmp_path / "copy" / lib.path.name
     copy.parent.mkdir()
     shutil.copy2(lib.path, copy)
+    shutil.copy2(lib.path.parent / cabi.HEADER_BESIDE, copy.parent)  # a library travels with the header it binds by
     kernels = ["flash", f"flash@{copy}", f"flash-portable@{copy.parent}"]
     run = verify.run_suite("smoke", kernels, lib_path=lib.path, write_ledger=False)
     assert run.passed, run.record["failures"]
