@@ -61,6 +61,6 @@ HOST_PLAN_OF = {c.name: next(h.name for h in CALLS if h.product == c.product and
                               and h.name not in WGMMA_ONLY) for c in CALLS if c.scheduled}  # the schedule's reference
 
 
-def describe(names=None) -> str:
+def describe() -> str:
     """The calls, one clause each, for a --kernel / --backend help text."""
-    return "; ".join(f"{c.name}: {c.runs}" for c in CALLS if names is None or c.name in names)
+    return "; ".join(f"{c.name}: {c.runs}" for c in CALLS)
